@@ -1,0 +1,142 @@
+"""The op DAG every stage works on: nodes (ops) and tensors with exact shapes, bytes and roles.
+
+A Graph is both the in-memory IR and the `graph.json` file. Nodes are stored in a topological order.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.files import FORMAT_VERSION, sha256_json
+
+DType = Literal["fp32", "fp16", "int64", "uint8"]
+ITEMSIZE = {"fp32": 4, "fp16": 2, "int64": 8, "uint8": 1}
+
+Role = Literal[
+    "input",  # the network's data input
+    "label",  # class indices for the loss (training)
+    "weight",  # trainable parameter
+    "state",  # non-trainable persistent buffer (BatchNormalization running statistics)
+    "activation",  # forward intermediate or output
+    "gradient",  # gradient of an activation (backward intermediate)
+    "weight_gradient",  # gradient of a weight
+    "optimizer_state",  # SGD momentum buffer
+    "constant",  # small constant folded from the ONNX file; its values are in `value`
+]
+PERSISTENT_ROLES = ("weight", "state", "weight_gradient", "optimizer_state", "constant")
+
+Phase = Literal["forward", "loss", "backward", "update"]
+
+
+class Tensor(BaseModel):
+    model_config = ConfigDict(frozen=False)
+
+    name: str
+    shape: list[int]
+    dtype: DType
+    role: Role
+    producer: str | None = None
+    consumers: list[str] = Field(default_factory=list)
+    alias_of: str | None = Field(None, description="shares storage with this tensor (a view, or an in-place update)")
+    saved_for_backward: list[str] = Field(
+        default_factory=list, description="backward ops that read this forward tensor"
+    )
+    value: list[float] | None = Field(None, description="values of a small constant (role constant)")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def bytes(self) -> int:
+        return self.numel * ITEMSIZE[self.dtype]
+
+    @property
+    def persistent(self) -> bool:
+        return self.role in PERSISTENT_ROLES
+
+
+class Node(BaseModel):
+    name: str
+    kind: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any] = Field(default_factory=dict)
+    phase: Phase = "forward"
+    forward_of: str | None = Field(None, description="for backward ops: the forward op they differentiate")
+    flops: int = 0
+    signature: str = ""
+
+
+class Graph(BaseModel):
+    kind: Literal["graph"] = "graph"
+    format_version: int = FORMAT_VERSION
+    model_name: str
+    source_sha256: str = Field(description="sha256 of the ONNX file this graph was imported from")
+    batch: int
+    dtype: Literal["fp32", "fp16"]
+    training: bool
+    inputs: list[str]
+    outputs: list[str]
+    nodes: list[Node]
+    tensors: dict[str, Tensor]
+
+    @cached_property
+    def graph_sha256(self) -> str:
+        """Identity of the graph's content; plans and profiles made for it carry it."""
+        return sha256_json(self.model_dump(mode="json", exclude={"format_version"}))
+
+    @cached_property
+    def node_by_name(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    def storage_of(self, tensor: str) -> str:
+        """The tensor that owns the memory a (possibly aliased) tensor lives in."""
+        while (alias := self.tensors[tensor].alias_of) is not None:
+            tensor = alias
+        return tensor
+
+    def predecessors(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for n in self.nodes:
+            prods = {self.tensors[t].producer for t in n.inputs}
+            out[n.name] = sorted(p for p in prods if p is not None)
+        return out
+
+    def successors(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for name, preds in self.predecessors().items():
+            for p in preds:
+                out[p].append(name)
+        return out
+
+
+def op_signature(kind: str, attrs: dict, in_shapes: list[list[int]], out_shapes: list[list[int]], dtype: str) -> str:
+    """Stable key of what an op computes (not where it sits), so identical layers share one measurement."""
+    return sha256_json([kind, attrs, in_shapes, out_shapes, dtype])[:20]
+
+
+def finalize(graph: Graph) -> Graph:
+    """Recompute producers, consumers and op signatures from the node list."""
+    for t in graph.tensors.values():
+        t.producer, t.consumers = None, []
+    for n in graph.nodes:
+        for t in n.inputs:
+            if n.name not in graph.tensors[t].consumers:
+                graph.tensors[t].consumers.append(n.name)
+        for t in n.outputs:
+            graph.tensors[t].producer = n.name
+        n.signature = op_signature(
+            n.kind,
+            n.attrs,
+            [graph.tensors[t].shape for t in n.inputs],
+            [graph.tensors[t].shape for t in n.outputs],
+            graph.dtype,
+        )
+    graph.__dict__.pop("graph_sha256", None)
+    graph.__dict__.pop("node_by_name", None)
+    return graph

@@ -1,0 +1,102 @@
+"""Profile: per device and op signature, every candidate algorithm's measured (or estimated) cost vector."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from planner.files import FORMAT_VERSION
+
+
+class Kernel(BaseModel):
+    """One GPU kernel a candidate launches (CUPTI activity record)."""
+
+    name: str
+    duration_us: float
+    grid: list[int]
+    block: list[int]
+    registers_per_thread: int
+    static_shared_bytes: int = 0
+    dynamic_shared_bytes: int = 0
+    blocks_per_sm: int = Field(0, description="resident blocks per SM from the occupancy rules")
+
+
+class Counters(BaseModel):
+    """Nsight Compute readings (--counters)."""
+
+    stall_long_scoreboard: float = 0.0
+    stall_barrier: float = 0.0
+    stall_math_pipe_throttle: float = 0.0
+    sm_throughput: float = 0.0
+    dram_throughput: float = 0.0
+
+
+class Candidate(BaseModel):
+    name: str = Field(description="how the runner rebuilds exactly this implementation (e.g. a cuDNN plan name)")
+    time_us: float
+    workspace_bytes: int = 0
+    registers_per_thread: int = 0
+    shared_mem_bytes: int = 0
+    threads_per_block: int = 0
+    grid_blocks: int = 0
+    sm_fraction: float = Field(1.0, description="share of the GPU's resident-block slots its grid fills (1 = nothing else fits)")
+    dram_fraction: float = Field(0.0, description="minimum bytes moved / time / peak bandwidth")
+    stall_fraction: float = 0.0
+    kernels: list[Kernel] = Field(default_factory=list)
+    counters: Counters | None = None
+
+
+class Unsupported(BaseModel):
+    name: str
+    reason: str
+
+
+class OpProfile(BaseModel):
+    signature: str
+    kind: str
+    describe: str = ""
+    candidates: list[Candidate]
+    measured_count: int = Field(0, description="candidates measured before pruning to the ones kept")
+    unsupported: list[Unsupported] = Field(default_factory=list)
+
+
+class DeviceInfo(BaseModel):
+    name: str
+    sm_count: int
+    memory_bytes: int
+    sm_clock_mhz: int = 0
+    memory_clock_mhz: int = 0
+    compute_capability: str = ""
+    driver_version: str = ""
+    cuda_version: str = ""
+    cudnn_version: str = ""
+    max_threads_per_sm: int = 2048
+    max_blocks_per_sm: int = 32
+    registers_per_sm: int = 65536
+    shared_mem_per_sm_bytes: int = 233472
+    peak_dram_bytes_per_s: float = 0.0
+    peak_flops_fp32: float = 0.0
+    peak_flops_fp16: float = 0.0
+    d2d_bytes_per_s: float = 0.0
+    h2d_bytes_per_s: float = 0.0
+    d2h_bytes_per_s: float = 0.0
+    copy_latency_us: float = 0.0
+    copy_overlaps_compute: bool = True
+    bidirectional_copies: bool = True
+
+    @property
+    def fingerprint(self) -> str:
+        """Profiles are only valid for the same GPU model and software stack."""
+        parts = [self.name, self.compute_capability, self.cudnn_version or "analytic", str(self.sm_count)]
+        return "-".join(p.replace(" ", "_") for p in parts)
+
+
+class Profile(BaseModel):
+    kind: Literal["profile"] = "profile"
+    format_version: int = FORMAT_VERSION
+    estimated: bool = Field(False, description="True when costs come from the analytic model, not the GPU")
+    device: DeviceInfo
+    dtype: Literal["fp32", "fp16"]
+    graph_sha256: str | None = Field(None, description="the graph this profile was assembled for, if any")
+    ops: dict[str, OpProfile] = Field(default_factory=dict, description="keyed by op signature")
