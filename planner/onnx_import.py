@@ -263,7 +263,11 @@ class _Builder:
             self.consts[node.output[0]] = _constant_value(node, a)
             return
         if t == "Identity":
-            self.renamed[node.output[0]] = ins[0]
+            if ins[0] in self.initializer_dims and ins[0] not in self.consts:
+                # The exporter deduplicates equal-valued parameters behind Identity; they are distinct weights.
+                self.initializer_dims[node.output[0]] = self.initializer_dims[ins[0]]
+            else:
+                self.renamed[node.output[0]] = ins[0]
             return
         # Fold anything whose inputs are all known constants (or shape queries of known shapes).
         if t == "Shape" and ins[0] in self.tensors | self.shapes.keys():
@@ -295,7 +299,7 @@ class _Builder:
         self.emit("conv", node, inputs, [(node.output[0], "activation", self.dtype)], attrs)
 
     def _BatchNormalization(self, node, a, ins):
-        training = self.training and (a.get("training_mode", 0) == 1 or len([o for o in node.output if o]) > 1)
+        training = self.training  # training uses batch statistics, whichever mode the file was exported in
         params = [self.operand(ins[1], "weight", "fp32"), self.operand(ins[2], "weight", "fp32"),
                   self.operand(ins[3], "state", "fp32"), self.operand(ins[4], "state", "fp32")]
         attrs = {"epsilon": float(a.get("epsilon", 1e-5)), "momentum": float(a.get("momentum", 0.9)),

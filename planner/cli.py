@@ -1,0 +1,168 @@
+"""The `planner` command: a thin shell over the pipeline stages."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from planner.files import PlannerError, save_model
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Plan and run non-linear CNNs fast on one NVIDIA GPU under a memory budget.",
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+class DType(str, Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+
+
+class SchemaName(str, Enum):
+    graph = "graph"
+    profile = "profile"
+    plan = "plan"
+
+
+def load_graph(model: Path, batch: int, dtype: DType, train: bool):
+    """Import MODEL (ONNX, or a graph.json written by inspect --out) and build the training iteration if asked."""
+    from planner.onnx_import import import_onnx
+    from planner.training import build_training
+
+    if model.suffix == ".json":
+        from planner.files import load_model
+        from planner.ir import Graph
+
+        return load_model(Graph, model)
+    graph = import_onnx(model, batch=batch, dtype=dtype.value, training=train)
+    return build_training(graph) if train else graph
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+ModelArg = typer.Argument(..., help="ONNX model file", exists=False)
+BatchOpt = typer.Option(1, "--batch", "-b", min=1, help="batch size (sets a dynamic batch dimension)")
+DTypeOpt = typer.Option(DType.fp32, "--dtype", help="compute data type")
+TrainOpt = typer.Option(False, "--train", help="one training iteration (forward, loss, backward, SGD update)")
+
+
+@app.command()
+def inspect(
+    model: Path = ModelArg,
+    batch: int = BatchOpt,
+    dtype: DType = DTypeOpt,
+    train: bool = TrainOpt,
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the graph as JSON"),
+    as_json: bool = typer.Option(False, "--json", help="print the numbers as JSON"),
+):
+    """Import a model and report its op DAG: op counts, bytes by role, serial peak, critical path, width."""
+    from planner.stats import graph_stats
+
+    t0 = time.perf_counter()
+    graph = load_graph(model, batch, dtype, train)
+    stats = graph_stats(graph)
+    if out is not None:
+        save_model(graph, out)
+    if as_json:
+        print(json.dumps(stats.model_dump(), indent=1))
+        return
+    what = "training iteration" if graph.training and any(n.phase == "update" for n in graph.nodes) else "inference"
+    console.print(f"[bold]{stats.model_name}[/] {what}, batch {stats.batch}, {stats.dtype}: "
+                  f"{stats.op_count} ops, {stats.tensor_count} tensors ({time.perf_counter() - t0:.2f} s)")
+    kinds = Table("op kind", "count", title="ops by kind", title_justify="left")
+    for kind, count in stats.ops_by_kind.items():
+        kinds.add_row(kind, str(count))
+    console.print(kinds)
+    sizes = Table("", "", title="memory and shape of the DAG", title_justify="left", show_header=False)
+    rows = [
+        ("weights", fmt_bytes(stats.weight_bytes)),
+        ("running statistics", fmt_bytes(stats.state_bytes)),
+        ("activations (all forward tensors)", fmt_bytes(stats.activation_bytes)),
+        ("saved for backward", fmt_bytes(stats.saved_for_backward_bytes)),
+        ("activation gradients (all)", fmt_bytes(stats.gradient_bytes)),
+        ("weight gradients", fmt_bytes(stats.weight_gradient_bytes)),
+        ("optimizer state", fmt_bytes(stats.optimizer_state_bytes)),
+        ("peak memory, serial order", fmt_bytes(stats.serial_peak_bytes)),
+        ("work", f"{stats.total_gflop:.2f} GFLOP"),
+        ("critical path", f"{stats.critical_path_ops} ops, {stats.critical_path_gflop:.2f} GFLOP "
+                          f"({100 * stats.critical_path_gflop / max(stats.total_gflop, 1e-12):.0f}% of the work)"),
+        ("width (most ops that could run at once)", str(stats.width_ops)),
+    ]
+    for row in rows:
+        sizes.add_row(*row)
+    console.print(sizes)
+    if out is not None:
+        console.print(f"graph written to {out}")
+
+
+@app.command()
+def schema(name: SchemaName = typer.Argument(..., help="graph, profile or plan")):
+    """Print the JSON Schema of a pipeline file format."""
+    from planner.ir import Graph
+    from planner.plan import Plan
+    from planner.profile import Profile
+
+    cls = {"graph": Graph, "profile": Profile, "plan": Plan}[name.value]
+    print(json.dumps(cls.model_json_schema(), indent=1))
+
+
+def _not_built(command: str, issue: str) -> None:
+    raise PlannerError(f"`planner {command}` is not built yet ({issue})")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def profile(ctx: typer.Context):
+    """Measure every candidate algorithm of every op on the GPU (or estimate them with --analytic)."""
+    _not_built("profile", "profiling is being built")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def solve(ctx: typer.Context):
+    """Choose algorithms, streams, offloads and recomputations under a memory cap with CP-SAT."""
+    _not_built("solve", "the CP-SAT planner is being built")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(ctx: typer.Context):
+    """Execute a plan on the GPU, validate the numbers, and compare measured with predicted time and memory."""
+    _not_built("run", "the GPU executor is not built yet")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def export(ctx: typer.Context):
+    """Export a plan to PyTorch or as a timeline trace."""
+    _not_built("export", "exporters are not built yet")
+
+
+def main() -> None:
+    """Usage errors are reported by typer; errors in the user's files or options are one line and exit non-zero."""
+    try:
+        app()
+    except PlannerError as e:
+        err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

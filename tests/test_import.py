@@ -1,0 +1,198 @@
+"""ONNX import: every shipped torchvision export, shapes, folding, attribute normalisation, clear errors."""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from planner.files import PlannerError
+from planner.ir import Graph
+from planner.onnx_import import UnsupportedOps, import_onnx
+
+MODELS = Path(__file__).parent / "models"
+ALL_MODELS = sorted(p.name for p in MODELS.glob("*.onnx"))
+CNNS = {"googlenet", "inception_v3", "resnet50", "resnext50", "densenet121", "mobilenet_v2", "squeezenet"}
+
+
+def test_every_required_architecture_is_shipped_in_both_modes_and_opsets():
+    stems = {name.split(".")[0] for name in ALL_MODELS}
+    assert CNNS <= stems
+    for cnn in CNNS - {"googlenet", "resnet50"}:
+        for suffix in (".op13.onnx", ".op17.onnx", ".train.op13.onnx", ".train.op17.onnx"):
+            assert (MODELS / f"{cnn}{suffix}").exists()
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
+@pytest.mark.parametrize("training", [False, True])
+def test_shipped_models_import(name, training):
+    g = import_onnx(MODELS / name, batch=4, training=training)
+    assert g.nodes and g.outputs
+    logits = g.tensors[g.outputs[0]]
+    assert logits.shape == [4, 1000]
+    assert g.tensors[g.inputs[0]].shape[0] == 4
+    kinds = {n.kind for n in g.nodes}
+    assert "conv" in kinds
+    # folded and dropped: nothing shape-computing or Identity survives
+    assert kinds <= {"conv", "batchnorm", "relu", "clip", "maxpool", "avgpool", "globalavgpool", "concat", "add",
+                     "gemm", "reshape", "dropout"}
+    with_dropout = ("googlenet", "inception_v3", "mobilenet_v2", "squeezenet")
+    assert ("dropout" in kinds) == (training and ".train" in name and name.startswith(with_dropout))
+    if "batchnorm" in kinds:
+        assert all(n.attrs["training"] == training for n in g.nodes if n.kind == "batchnorm")
+    for n in g.nodes:
+        assert n.signature and n.flops >= 0
+        for t in n.inputs + n.outputs:
+            assert all(d > 0 for d in g.tensors[t].shape)
+
+
+def test_batch_sets_every_activation_and_keeps_weights():
+    g1 = import_onnx(MODELS / "googlenet.onnx", batch=1)
+    g32 = import_onnx(MODELS / "googlenet.onnx", batch=32)
+    act = [t for t in g1.tensors if g1.tensors[t].role == "activation"]
+    for t in act:
+        assert g32.tensors[t].shape == [32] + g1.tensors[t].shape[1:]
+    w = [t for t in g1.tensors if g1.tensors[t].role == "weight"]
+    assert all(g32.tensors[t].shape == g1.tensors[t].shape for t in w)
+    assert g1.graph_sha256 != g32.graph_sha256
+
+
+def test_googlenet_shapes_and_weight_count():
+    train = import_onnx(MODELS / "googlenet.train.onnx", batch=2, training=True)
+    assert sum(t.numel for t in train.tensors.values() if t.role == "weight") == 6_624_904  # torchvision's count
+    g = import_onnx(MODELS / "googlenet.onnx", batch=2)
+    params = sum(t.numel for t in g.tensors.values() if t.role == "weight")
+    bn_channels = sum(g.tensors[n.outputs[0]].shape[1] for n in g.nodes if n.kind == "conv")
+    assert params == 6_624_904 - bn_channels  # BN folded: one bias per channel instead of scale and shift
+    concat_outs = [g.tensors[n.outputs[0]].shape for n in g.nodes if n.kind == "concat"]
+    assert concat_outs[0] == [2, 256, 28, 28] and concat_outs[-1] == [2, 1024, 7, 7]
+
+
+def test_fp16_halves_activation_and_weight_bytes_but_not_bn_params():
+    g32 = import_onnx(MODELS / "resnet50.train.onnx", batch=2, dtype="fp32", training=True)
+    g16 = import_onnx(MODELS / "resnet50.train.onnx", batch=2, dtype="fp16", training=True)
+    conv_w = next(n.inputs[1] for n in g16.nodes if n.kind == "conv")
+    assert g16.tensors[conv_w].bytes * 2 == g32.tensors[conv_w].bytes
+    bn = next(n for n in g16.nodes if n.kind == "batchnorm")
+    assert g16.tensors[bn.inputs[1]].dtype == "fp32"
+
+
+def test_identical_layers_share_a_signature():
+    g = import_onnx(MODELS / "resnet50.onnx", batch=8)
+    sigs = [n.signature for n in g.nodes if n.kind == "conv"]
+    assert len(set(sigs)) < len(sigs)  # the repeated bottleneck blocks
+    g2 = import_onnx(MODELS / "resnext50.op17.onnx", batch=8)
+    assert {n.signature for n in g.nodes if n.kind == "conv"} != {n.signature for n in g2.nodes if n.kind == "conv"}
+
+
+def test_training_mode_bn_and_dropout():
+    g = import_onnx(MODELS / "googlenet.train.onnx", batch=2, training=True)
+    bn = next(n for n in g.nodes if n.kind == "batchnorm")
+    assert len(bn.outputs) == 5
+    assert g.tensors[bn.outputs[1]].alias_of == bn.inputs[3]  # running mean updated in place
+    drop = next(n for n in g.nodes if n.kind == "dropout")
+    assert drop.attrs["ratio"] == pytest.approx(0.2)
+    assert g.tensors[drop.outputs[1]].dtype == "uint8"
+    # the same file imported for inference: no dropout, BN uses running statistics
+    g_inf = import_onnx(MODELS / "googlenet.train.onnx", batch=2, training=False)
+    assert "dropout" not in {n.kind for n in g_inf.nodes}
+    assert not any(n.attrs["training"] for n in g_inf.nodes if n.kind == "batchnorm")
+
+
+def test_exporter_deduplicated_weights_are_untied():
+    g = import_onnx(MODELS / "resnet50.onnx", batch=1)
+    weights = [n.inputs[1] for n in g.nodes if n.kind == "conv"]
+    assert len(set(weights)) == len(weights)
+
+
+def test_mobilenet_relu6_constants_folded():
+    g = import_onnx(MODELS / "mobilenet_v2.op17.onnx", batch=1)
+    clips = [n for n in g.nodes if n.kind == "clip"]
+    assert clips and all(n.attrs == {"min": 0.0, "max": 6.0} for n in clips)
+    assert all(len(n.inputs) == 1 for n in clips)
+    groups = {n.attrs["groups"] for n in g.nodes if n.kind == "conv"}
+    assert max(groups) > 1  # depthwise convolutions
+
+
+def _save(tmp_path, nodes, inits, inp_shape=("N", 3, 8, 8), out="y", opset=17, extra_outputs=()):
+    graph = helper.make_graph(
+        nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(inp_shape))],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)] + list(extra_outputs),
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    return path
+
+
+def test_auto_pad_and_shape_subgraph_folding(tmp_path):
+    w = numpy_helper.from_array(np.ones((4, 3, 3, 3), np.float32), "w")
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], auto_pad="SAME_UPPER", strides=[2, 2], name="conv"),
+        helper.make_node("Shape", ["c"], ["s"]),
+        helper.make_node("Constant", [], ["i0"], value=numpy_helper.from_array(np.array(0, np.int64))),
+        helper.make_node("Gather", ["s", "i0"], ["n"], axis=0),
+        helper.make_node("Constant", [], ["m1"], value=numpy_helper.from_array(np.array([-1], np.int64))),
+        helper.make_node("Unsqueeze", ["n", "zero"], ["n1"]),
+        helper.make_node("Concat", ["n1", "m1"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["c", "shape"], ["y"], name="flat"),
+    ]
+    zero = numpy_helper.from_array(np.array([0], np.int64), "zero")
+    g = import_onnx(_save(tmp_path, nodes, [w, zero]), batch=3)
+    conv = next(n for n in g.nodes if n.kind == "conv")
+    assert conv.attrs["pads"] == [0, 0, 1, 1]  # SAME_UPPER puts the odd pad at the end
+    assert g.tensors["c"].shape == [3, 4, 4, 4]
+    assert [n.kind for n in g.nodes] == ["conv", "reshape"]
+    assert g.tensors["y"].shape == [3, 64] and g.tensors["y"].alias_of == "c"
+
+
+def test_identity_and_noop_reshape_dropped(tmp_path):
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Identity", ["r"], ["i"]),
+        helper.make_node("Flatten", ["i"], ["f"], axis=0),
+        helper.make_node("Reshape", ["f", "shape"], ["y"]),
+    ]
+    shape = numpy_helper.from_array(np.array([2, 3, 8, 8], np.int64), "shape")
+    g = import_onnx(_save(tmp_path, nodes, [shape]), batch=2)
+    assert [n.kind for n in g.nodes] == ["relu", "reshape", "reshape"]
+    nodes[3] = helper.make_node("Relu", ["i"], ["y"])
+    g = import_onnx(_save(tmp_path, nodes[:2] + [nodes[3]], []), batch=2)
+    assert [n.kind for n in g.nodes] == ["relu", "relu"]
+    assert g.nodes[1].inputs == ["r"]
+
+
+def test_unsupported_ops_are_all_named(tmp_path):
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("Tanh", ["a"], ["b"], name="my_tanh"),
+        helper.make_node("Erf", ["b"], ["c"], name="my_erf"),
+        helper.make_node("Tanh", ["c"], ["y"], name="other_tanh"),
+    ]
+    with pytest.raises(UnsupportedOps) as e:
+        import_onnx(_save(tmp_path, nodes, []), batch=1)
+    msg = str(e.value)
+    assert "Tanh" in msg and "Erf" in msg and "my_tanh" in msg and "my_erf" in msg
+    assert e.value.exit_code == 2 and "\n" not in msg
+
+
+@pytest.mark.parametrize("content", [b"", b"not an onnx file at all", None])
+def test_malformed_files_give_one_line_errors(tmp_path, content):
+    path = tmp_path / "bad.onnx"
+    if content is None:
+        content = (MODELS / "googlenet.onnx").read_bytes()[:5000]
+    path.write_bytes(content)
+    with pytest.raises(PlannerError) as e:
+        import_onnx(path)
+    assert "\n" not in str(e.value)
+
+
+def test_graph_round_trips_through_json(tmp_path):
+    from planner.files import load_model, save_model
+
+    g = import_onnx(MODELS / "squeezenet.op17.onnx", batch=2)
+    save_model(g, tmp_path / "g.json")
+    back = load_model(Graph, tmp_path / "g.json")
+    assert back == g and back.graph_sha256 == g.graph_sha256

@@ -1,0 +1,190 @@
+"""Training iteration: structure of the backward DAG, and gradients against central finite differences."""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from planner.files import PlannerError
+from planner.onnx_import import import_onnx
+from planner.training import LOSS, build_training
+
+MODELS = Path(__file__).parent / "models"
+
+
+def test_googlenet_iteration_structure():
+    g = build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=4, training=True))
+    phases = [n.phase for n in g.nodes]
+    assert phases.index("loss") > max(i for i, p in enumerate(phases) if p == "forward")
+    kinds = [n.kind for n in g.nodes]
+    convs = kinds.count("conv")
+    assert kinds.count("conv_bwd_filter") == convs
+    assert kinds.count("conv_bwd_data") == convs - 1  # the first conv reads the data input: no gradient needed
+    weights = [t for t in g.tensors.values() if t.role == "weight" and t.alias_of is None]
+    assert kinds.count("sgd") == len(weights)
+    assert g.outputs == [LOSS] and "labels" in g.inputs
+    # each concat's gradient is sliced back to its branches
+    assert kinds.count("slice") == sum(len(n.inputs) for n in g.nodes if n.kind == "concat")
+
+
+def test_conv_data_and_weight_gradients_are_independent_nodes():
+    g = build_training(import_onnx(MODELS / "resnet50.train.onnx", batch=2, training=True))
+    preds = g.predecessors()
+    for n in g.nodes:
+        if n.kind != "conv_bwd_data":
+            continue
+        twin = next(m for m in g.nodes if m.kind == "conv_bwd_filter" and m.forward_of == n.forward_of)
+        assert twin.name not in preds[n.name] and n.name not in preds[twin.name]
+        assert n.inputs[0] == twin.inputs[1]  # both read the same output gradient
+
+
+def test_saved_for_backward_and_gradient_accumulation():
+    g = build_training(import_onnx(MODELS / "resnet50.train.onnx", batch=2, training=True))
+    by_name = g.node_by_name
+    # the stem's conv input is kept for the weight gradient
+    first = g.nodes[0]
+    assert first.kind == "conv"
+    assert any(by_name[c].kind == "conv_bwd_filter" for c in g.tensors[first.inputs[0]].saved_for_backward)
+    # a ReLU output read by the next conv (weight gradient) and its own backward (mask)
+    relu = next(n for n in g.nodes if n.kind == "relu"
+                and any(by_name[c].kind == "conv" for c in g.tensors[n.outputs[0]].consumers))
+    readers = {by_name[c].kind for c in g.tensors[relu.outputs[0]].saved_for_backward}
+    assert {"relu_bwd", "conv_bwd_filter"} <= readers
+    # residual joins: a block input feeds the branch and the shortcut, so its gradient is summed
+    sums = [n for n in g.nodes if n.kind == "sum"]
+    assert len(sums) == 16 and all(len(n.inputs) == 2 for n in sums)
+    # backward ops never feed forward ops
+    phase = {n.name: n.phase for n in g.nodes}
+    for n in g.nodes:
+        if n.phase == "forward":
+            assert all(phase.get(g.tensors[t].producer, "forward") == "forward" for t in n.inputs)
+
+
+def test_add_fans_out_without_a_copy():
+    g = build_training(import_onnx(MODELS / "resnet50.train.onnx", batch=2, training=True))
+    add = next(n for n in g.nodes if n.kind == "add")
+    (dy,) = [t for t in g.tensors if t.startswith(f"grad:{add.outputs[0]}")]
+    readers = [g.node_by_name[c] for c in g.tensors[dy].consumers]
+    assert len(readers) == 2  # the branch's BN backward and the shortcut's gradient sum read the same tensor
+    assert {r.kind for r in readers} <= {"batchnorm_bwd", "sum"}
+
+
+def test_inference_mode_bn_is_refused():
+    with pytest.raises(PlannerError):
+        build_training(import_onnx(MODELS / "resnet50.train.onnx", batch=2, training=False))
+
+
+def test_every_shipped_model_builds_an_iteration():
+    for path in sorted(MODELS.glob("*.op17.onnx")):
+        g = build_training(import_onnx(path, batch=2, training=True))
+        names = [n.name for n in g.nodes]
+        assert len(set(names)) == len(names)
+        produced = set(g.inputs) | {t for t, v in g.tensors.items() if v.persistent}
+        for n in g.nodes:  # stored order is topological
+            assert all(t in produced for t in n.inputs), (path.name, n.name)
+            produced.update(n.outputs)
+
+
+# Gradient checks on small hand-built blocks (float64 NumPy reference, central differences).
+
+def _conv(name, x, cin, cout, k, rng, inits, pad=None, stride=1):
+    w = numpy_helper.from_array(rng.standard_normal((cout, cin, k, k)).astype(np.float32), f"{name}.w")
+    inits.append(w)
+    p = k // 2 if pad is None else pad
+    return helper.make_node("Conv", [x, w.name], [name], pads=[p] * 4, strides=[stride] * 2, name=name)
+
+
+def _bn(name, x, c, inits):
+    params = [numpy_helper.from_array(np.ones(c, np.float32), f"{name}.{p}") for p in ("s", "b", "m", "v")]
+    inits.extend(params)
+    return helper.make_node("BatchNormalization", [x] + [p.name for p in params], [name], training_mode=1,
+                            epsilon=1e-5, momentum=0.9, name=name)
+
+
+def _head(x, c, classes, inits, rng):
+    w = numpy_helper.from_array(rng.standard_normal((classes, c)).astype(np.float32), "fc.w")
+    b = numpy_helper.from_array(rng.standard_normal(classes).astype(np.float32), "fc.b")
+    inits += [w, b]
+    return [helper.make_node("GlobalAveragePool", [x], ["gap"]),
+            helper.make_node("Flatten", ["gap"], ["flat"], axis=1),
+            helper.make_node("Gemm", ["flat", "fc.w", "fc.b"], ["logits"], transB=1)]
+
+
+def _inception_block(rng, inits):
+    return [
+        _conv("stem", "x", 3, 6, 3, rng, inits), helper.make_node("Relu", ["stem"], ["s"]),
+        _conv("b1", "s", 6, 4, 1, rng, inits), helper.make_node("Relu", ["b1"], ["r1"]),
+        _conv("b2a", "s", 6, 3, 1, rng, inits), helper.make_node("Relu", ["b2a"], ["r2a"]),
+        _conv("b2b", "r2a", 3, 4, 3, rng, inits), helper.make_node("Relu", ["b2b"], ["r2"]),
+        helper.make_node("MaxPool", ["s"], ["p3"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[1, 1]),
+        _conv("b3", "p3", 6, 2, 1, rng, inits), helper.make_node("Relu", ["b3"], ["r3"]),
+        helper.make_node("AveragePool", ["s"], ["p4"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[1, 1]),
+        _conv("b4", "p4", 6, 2, 1, rng, inits), helper.make_node("Relu", ["b4"], ["r4"]),
+        helper.make_node("Concat", ["r1", "r2", "r3", "r4"], ["cat"], axis=1),
+    ], "cat", 12
+
+
+def _residual_block(rng, inits):
+    return [
+        _conv("stem", "x", 3, 4, 3, rng, inits), _bn("bn0", "stem", 4, inits), helper.make_node("Relu", ["bn0"], ["s"]),
+        _conv("c1", "s", 4, 4, 3, rng, inits), _bn("bn1", "c1", 4, inits), helper.make_node("Relu", ["bn1"], ["r1"]),
+        _conv("c2", "r1", 4, 4, 3, rng, inits), _bn("bn2", "c2", 4, inits),
+        helper.make_node("Add", ["bn2", "s"], ["sum"]), helper.make_node("Relu", ["sum"], ["out"]),
+    ], "out", 4
+
+
+def _dense_block(rng, inits):
+    nodes = [_conv("stem", "x", 3, 4, 3, rng, inits)]
+    feats, c = ["stem"], 4
+    for i in range(3):
+        cat = f"cat{i}"
+        nodes.append(helper.make_node("Concat", feats, [cat], axis=1) if len(feats) > 1
+                     else helper.make_node("Identity", feats, [cat]))
+        nodes += [_bn(f"bn{i}", cat, c, inits), helper.make_node("Relu", [f"bn{i}"], [f"r{i}"]),
+                  _conv(f"c{i}", f"r{i}", c, 2, 3, rng, inits)]
+        feats.append(f"c{i}")
+        c += 2
+    nodes.append(helper.make_node("Concat", feats, ["out"], axis=1))
+    nodes.append(helper.make_node("Dropout", ["out", "ratio", "train"], ["drop", "mask"]))
+    inits += [numpy_helper.from_array(np.array(0.3, np.float32), "ratio"),
+              numpy_helper.from_array(np.array(True), "train")]
+    return nodes, "drop", c
+
+
+def _block_model(tmp_path, make):
+    rng = np.random.default_rng(0)
+    inits = []
+    nodes, out, c = make(rng, inits)
+    nodes += _head(out, c, 5, inits, rng)
+    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 6, 6])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], initializer=inits)
+    path = tmp_path / "block.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize("make", [_inception_block, _residual_block, _dense_block])
+def test_gradients_match_central_differences(tmp_path, make):
+    reference = pytest.importorskip("planner.reference")
+    g = build_training(import_onnx(_block_model(tmp_path, make), batch=3, training=True))
+    values = {**reference.random_parameters(g, seed=1), **reference.random_inputs(g, seed=2)}
+    out = reference.run(g, values)
+    sgd = [n for n in g.nodes if n.kind == "sgd"]
+    assert sgd
+    rng = np.random.default_rng(3)
+
+    def loss_at(weight, direction, eps):
+        shifted = dict(values)
+        shifted[weight] = values[weight] + eps * direction
+        return float(reference.run(g, shifted)[LOSS])
+
+    for n in sgd:
+        w, dw = n.inputs[0], n.inputs[1]
+        grad = out[dw].reshape(values[w].shape)
+        direction = rng.standard_normal(values[w].shape)
+        analytic = float((grad * direction).sum())
+        eps = 1e-6
+        numeric = (loss_at(w, direction, eps) - loss_at(w, direction, -eps)) / (2 * eps)
+        assert abs(analytic - numeric) <= 1e-5 * max(abs(numeric), 1e-3), (w, analytic, numeric)
