@@ -1,0 +1,87 @@
+"""Plan + Graph -> a standalone PyTorch module (planner/torch_template.py with the model and plan filled in).
+
+The same builder, with no plan, gives the plain serial PyTorch network used as the benchmark peer, so both
+are built from our IR and any imported model can be compared.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pprint
+
+from planner import torch_template
+from planner.files import PlannerError
+from planner.ir import Graph
+from planner.plan import Plan
+
+
+def forward_graph_dict(graph: Graph) -> dict:
+    """The forward ops and persistent tensors in the plain-data form the template reads."""
+    forward = [n for n in graph.nodes if n.phase == "forward"]
+    if not forward:
+        raise PlannerError("graph has no forward ops")
+    logits = next((n.inputs[0] for n in graph.nodes if n.kind == "softmax_xent"), graph.outputs[0])
+    bn_roles = {}
+    for n in forward:
+        if n.kind == "batchnorm":
+            bn_roles.update({n.inputs[1]: "scale", n.inputs[2]: "bias", n.inputs[4]: "var"})
+    persistent = {}
+    for n in forward:
+        for t in n.inputs:
+            tensor = graph.tensors[t]
+            if tensor.role in ("weight", "state", "constant"):
+                entry = {"shape": tensor.shape, "dtype": tensor.dtype, "role": tensor.role}
+                if tensor.value is not None:
+                    entry["value"] = tensor.value
+                if bn_roles.get(t) in ("scale", "bias"):
+                    entry["bn_param"] = bn_roles[t]
+                if bn_roles.get(t) == "var":
+                    entry["is_var"] = True
+                persistent[t] = entry
+    return {
+        "model_name": graph.model_name, "dtype": graph.dtype, "batch": graph.batch,
+        "inputs": [graph.inputs[0]], "outputs": [logits],
+        "nodes": {n.name: [n.kind, n.inputs, n.outputs, n.attrs] for n in forward},
+        "persistent": persistent,
+    }
+
+
+def plan_dict(graph: Graph, plan: Plan | None) -> dict:
+    forward = {n.name for n in graph.nodes if n.phase == "forward"}
+    if plan is None:
+        return {"order": [n.name for n in graph.nodes if n.phase == "forward"], "streams": {}, "records": {},
+                "waits": {}, "offload": []}
+    ops = sorted((op for op in plan.ops if op.node in forward and op.recompute_of is None),
+                 key=lambda op: (op.start_us, op.end_us))
+    recorded = {op.record_event for op in ops if op.record_event}
+    sgd = next((n.attrs for n in graph.nodes if n.kind == "sgd"), None)
+    out = {
+        "order": [op.node for op in ops],
+        "streams": {op.node: op.stream for op in ops},
+        "records": {op.node: op.record_event for op in ops if op.record_event},
+        "waits": {op.node: [e for e in op.wait_events if e in recorded] for op in ops if op.wait_events},
+        "offload": sorted(r.tensor for r in plan.tensors if r.decision == "offload"),
+    }
+    if sgd:
+        out["sgd"] = dict(sgd)
+    missing = forward - set(out["order"])
+    if missing:
+        raise PlannerError(f"plan does not schedule forward op {sorted(missing)[0]!r}")
+    return out
+
+
+def torch_module_source(graph: Graph, plan: Plan | None = None) -> str:
+    """Python source of the standalone module."""
+    if plan is not None and plan.graph_sha256 != graph.graph_sha256:
+        raise PlannerError("the plan was made for another model graph")
+    source = inspect.getsource(torch_template)
+    title = (f"{graph.model_name}: batch {graph.batch}, {graph.dtype}, "
+             f"{'training' if graph.training else 'inference'}"
+             + (f", plan predicted {plan.totals.makespan_us / 1000:.3f} ms on {plan.device_fingerprint}"
+                if plan else ", serial (no plan)"))
+    source = source.replace("PLAN_TITLE", title, 1)
+    source = source.replace("GRAPH: dict = {}  # filled in by the exporter: the forward op DAG",
+                            "GRAPH: dict = " + pprint.pformat(forward_graph_dict(graph), width=120, compact=True), 1)
+    source = source.replace("PLAN: dict = {}  # filled in by the exporter: streams, events and offloads of the forward ops",
+                            "PLAN: dict = " + pprint.pformat(plan_dict(graph, plan), width=120, compact=True), 1)
+    return source
