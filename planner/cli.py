@@ -146,10 +146,37 @@ def run(ctx: typer.Context):
     _not_built("run", "the GPU executor is not built yet")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def export(ctx: typer.Context):
-    """Export a plan to PyTorch or as a timeline trace."""
-    _not_built("export", "exporters are not built yet")
+class ExportTarget(str, Enum):
+    torch = "torch"
+    trace = "trace"
+
+
+@app.command()
+def export(
+    plan_file: Path = typer.Argument(..., metavar="PLAN", help="plan JSON written by `planner solve`"),
+    to: ExportTarget = typer.Option(..., "--to", help="torch: a standalone PyTorch module; trace: Chrome/Perfetto"),
+    out: Path = typer.Option(..., "--out", "-o", help="file to write"),
+    model: Optional[Path] = typer.Option(None, "--model", help="the plan's ONNX model (needed for --to torch)"),
+):
+    """Export a plan as a standalone PyTorch module or as a timeline trace of the predicted schedule."""
+    from planner.files import atomic_write_text, load_model
+    from planner.plan import Plan
+
+    plan = load_model(Plan, plan_file)
+    if to is ExportTarget.trace:
+        from planner.export_trace import trace_json
+
+        atomic_write_text(out, trace_json(plan))
+        console.print(f"trace of {len(plan.ops)} ops and {len(plan.copies)} copies written to {out} "
+                      "(open in ui.perfetto.dev)")
+        return
+    from planner.export_torch import torch_module_source
+
+    if model is None:
+        raise PlannerError("--to torch needs --model MODEL.onnx (the network the plan was made for)")
+    graph = load_graph(model, plan.batch, DType(plan.dtype), plan.training)
+    atomic_write_text(out, torch_module_source(graph, plan))
+    console.print(f"PyTorch module written to {out}: PlannedNet({str(model)!r}) runs the plan's streams and events")
 
 
 def main() -> None:
