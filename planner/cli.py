@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from planner.files import PlannerError, save_model
 
@@ -128,10 +129,49 @@ def _not_built(command: str, issue: str) -> None:
     raise PlannerError(f"`planner {command}` is not built yet ({issue})")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def profile(ctx: typer.Context):
+DEFAULT_STORE = Path("profiles/store")
+
+
+@app.command()
+def profile(
+    model: Optional[Path] = typer.Argument(None, help="ONNX model to profile"),
+    batch: int = BatchOpt,
+    dtype: DType = DTypeOpt,
+    train: bool = TrainOpt,
+    analytic: Optional[str] = typer.Option(None, "--analytic", help="estimate without a GPU: h100, a100, v100, "
+                                                                     "k40, or a JSON device spec"),
+    store: Path = typer.Option(DEFAULT_STORE, "--store", help="profile store directory"),
+    force: bool = typer.Option(False, "--force", help="re-measure ops already in the store"),
+    counters: bool = typer.Option(False, "--counters", help="also read Nsight Compute stall counters"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="also write this model's profile as one file"),
+    show: Optional[Path] = typer.Option(None, "--show", help="print the summary of a saved profile file"),
+    as_json: bool = typer.Option(False, "--json", help="with --show: JSON for scripts"),
+):
     """Measure every candidate algorithm of every op on the GPU (or estimate them with --analytic)."""
-    _not_built("profile", "profiling is being built")
+    from planner.files import load_model
+    from planner.profile import Profile
+    from planner.profile_report import print_summary
+
+    if show is not None:
+        print_summary(load_model(Profile, show), console, as_json=as_json)
+        return
+    if model is None:
+        raise PlannerError("give a MODEL to profile, or --show PROFILE")
+    graph = load_graph(model, batch, dtype, train)
+    if analytic is not None:
+        from planner.analytic import profile_analytic
+        from planner.devices import load_device
+
+        result, fresh = profile_analytic(graph, load_device(analytic), store, force)
+        console.print(f"[yellow]ESTIMATED[/] profile (analytic model for {result.device.name}, nothing measured): "
+                      f"{fresh} op signatures estimated now, {len(result.ops) - fresh} taken from {store}")
+    else:
+        from planner.profile_gpu import profile_on_gpu
+
+        result, fresh = profile_on_gpu(graph, store, force=force, counters=counters, console=console)
+    if out is not None:
+        save_model(result, out)
+    print_summary(result, console)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -184,7 +224,7 @@ def main() -> None:
     try:
         app()
     except PlannerError as e:
-        err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err_console.print(Text("error: ", style="red") + Text(str(e)), highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         err_console.print("interrupted")

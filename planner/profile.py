@@ -75,10 +75,16 @@ class DeviceInfo(BaseModel):
     max_blocks_per_sm: int = 32
     registers_per_sm: int = 65536
     shared_mem_per_sm_bytes: int = 233472
+    max_threads_per_block: int = 1024
+    registers_per_block: int = 65536
+    shared_mem_per_block_optin_bytes: int = Field(232448, description="largest shared memory one block may opt into")
+    reserved_shared_mem_per_block_bytes: int = Field(1024, description="shared memory the driver keeps per block (sm_80+)")
+    warp_size: int = 32
     peak_dram_bytes_per_s: float = 0.0
-    peak_flops_fp32: float = 0.0
-    peak_flops_fp16: float = 0.0
-    d2d_bytes_per_s: float = 0.0
+    peak_flops_fp32: float = Field(0.0, description="CUDA-core FP32 rate")
+    peak_flops_tf32: float = Field(0.0, description="tensor-core TF32 rate (0: none, FP32 convs use peak_flops_fp32)")
+    peak_flops_fp16: float = Field(0.0, description="tensor-core FP16 rate with FP32 accumulation")
+    d2d_bytes_per_s: float = Field(0.0, description="device-to-device copy rate counting bytes read and written")
     h2d_bytes_per_s: float = 0.0
     d2h_bytes_per_s: float = 0.0
     copy_latency_us: float = 0.0
@@ -90,6 +96,30 @@ class DeviceInfo(BaseModel):
         """Profiles are only valid for the same GPU model and software stack."""
         parts = [self.name, self.compute_capability, self.cudnn_version or "analytic", str(self.sm_count)]
         return "-".join(p.replace(" ", "_") for p in parts)
+
+
+CONV_KINDS = ("conv", "conv_bwd_data", "conv_bwd_filter")
+
+
+def conv_tensors(node) -> tuple[str, str, str]:
+    """(x, w, y) tensor names of a conv-family op, whichever of them it reads or writes."""
+    if node.kind == "conv":
+        return node.inputs[0], node.inputs[1], node.outputs[0]
+    if node.kind == "conv_bwd_data":
+        return node.outputs[0], node.inputs[1], node.inputs[0]
+    return node.inputs[0], node.outputs[0], node.inputs[1]
+
+
+def describe_op(node, graph) -> str:
+    """One short line per op (`conv 3x3/s2 64->128 56x56 n8`), shared by the analytic model, the runner and reports."""
+    if node.kind in CONV_KINDS:
+        x, w, _ = (graph.tensors[t].shape for t in conv_tensors(node))
+        stride = node.attrs.get("strides", [1, 1])[0]
+        groups = node.attrs.get("groups", 1)
+        text = f"{node.kind} {w[2]}x{w[3]}/s{stride} {x[1]}->{w[0]} {x[2]}x{x[3]} n{x[0]}"
+        return text + (f" g{groups}" if groups > 1 else "")
+    shapes = [graph.tensors[t].shape for t in node.inputs]
+    return f"{node.kind} " + " ".join("x".join(map(str, s)) or "scalar" for s in shapes)
 
 
 class Profile(BaseModel):

@@ -1,0 +1,189 @@
+"""The profile store: a directory with one JSON file per device fingerprint, entries keyed by op signature.
+
+Identical layers (in one model or across models) share one entry, so a second `planner profile` measures only
+what is new. Writers take an fcntl lock on a sidecar lock file, re-read the file, merge their entries and replace
+it atomically, so concurrent runs lose nothing and readers never see half a file. Estimated (analytic) entries
+live in their own file (`*.estimated.json`) and never mix with measured ones.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from planner.files import FORMAT_VERSION, PlannerError, atomic_write_text
+from planner.ir import Graph, Node
+from planner.ops import KINDS
+from planner.profile import Candidate, DeviceInfo, OpProfile, Profile, describe_op
+
+FLUSH_EVERY_OPS = 16
+FLUSH_EVERY_S = 5.0
+
+
+class StoreFile(BaseModel):
+    """One device's entries on disk."""
+
+    kind: Literal["profile_store"] = "profile_store"
+    format_version: int = FORMAT_VERSION
+    fingerprint: str
+    estimated: bool
+    device: DeviceInfo
+    ops: dict[str, OpProfile] = Field(default_factory=dict, description="keyed by op signature")
+
+
+def require_same_device(device: DeviceInfo, expected: DeviceInfo, what: str = "profile") -> None:
+    """Refuse measurements from another GPU model or software stack (never use them silently)."""
+    if device.fingerprint != expected.fingerprint:
+        raise PlannerError(
+            f"this {what} was made for device {device.fingerprint!r} (cuDNN {device.cudnn_version or 'none: analytic'}), "
+            f"not for {expected.fingerprint!r} (cuDNN {expected.cudnn_version or 'none: analytic'}); "
+            "profile this device instead"
+        )
+
+
+def view_profile(node: Node, graph: Graph) -> OpProfile:
+    """Views launch nothing: one free candidate, never measured."""
+    return OpProfile(signature=node.signature, kind=node.kind, describe=describe_op(node, graph),
+                     candidates=[Candidate(name="view", time_us=0.0, sm_fraction=0.0)])
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)
+
+
+class ProfileStore:
+    """Entries of one device (and one kind: measured or estimated) in `directory`."""
+
+    def __init__(self, directory: str | os.PathLike, device: DeviceInfo, estimated: bool = False):
+        self.directory = Path(directory)
+        self.device = device
+        self.estimated = estimated
+        stem = _safe_name(device.fingerprint) + (".estimated" if estimated else "")
+        self.path = self.directory / f"{stem}.json"
+        self.lock_path = self.directory / f".{stem}.lock"
+
+    def _load(self) -> StoreFile:
+        """The file as it is now (an empty store if absent), refusing another device's or kind's file."""
+        try:
+            raw = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return StoreFile(fingerprint=self.device.fingerprint, estimated=self.estimated, device=self.device)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PlannerError(f"{self.path}: not a readable profile store file ({e})") from None
+        if not isinstance(raw, dict) or raw.get("kind") != "profile_store":
+            raise PlannerError(f"{self.path}: not a profile store file")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise PlannerError(f"{self.path}: profile store format version {raw.get('format_version')} is not supported "
+                               f"(this planner reads version {FORMAT_VERSION})")
+        try:
+            stored = StoreFile.model_validate(raw)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(map(str, first["loc"]))
+            raise PlannerError(f"{self.path}: invalid profile store file: {where}: {first['msg']}") from None
+        require_same_device(stored.device, self.device, what=f"profile store {self.path}")
+        if stored.estimated != self.estimated:
+            raise PlannerError(f"{self.path}: holds {'estimated' if stored.estimated else 'measured'} entries, "
+                               f"expected {'estimated' if self.estimated else 'measured'} ones")
+        return stored
+
+    @contextmanager
+    def _locked(self):
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def entries(self) -> dict[str, OpProfile]:
+        return self._load().ops
+
+    def get(self, signature: str) -> OpProfile | None:
+        return self._load().ops.get(signature)
+
+    def put(self, op_profile: OpProfile) -> None:
+        self.put_many([op_profile])
+
+    def put_many(self, op_profiles: Iterable[OpProfile]) -> None:
+        """Merge entries into the file under the lock; a later put for the same signature replaces the earlier."""
+        new = list(op_profiles)
+        if not new:
+            return
+        with self._locked():
+            stored = self._load()
+            for op in new:
+                stored.ops[op.signature] = op
+            atomic_write_text(self.path, stored.model_dump_json(indent=1) + "\n")
+
+    def import_profile(self, profile: Profile) -> int:
+        """Add a profile file's entries (same device and kind only); returns how many."""
+        require_same_device(profile.device, self.device)
+        if profile.estimated != self.estimated:
+            raise PlannerError("cannot mix estimated and measured entries in one store")
+        self.put_many(profile.ops.values())
+        return len(profile.ops)
+
+    def missing(self, graph: Graph) -> list[str]:
+        """Signatures of the graph's ops not stored yet (views need no measurement), in graph order."""
+        stored = self.entries()
+        out: dict[str, None] = {}
+        for n in graph.nodes:
+            if not KINDS[n.kind].view and n.signature not in stored:
+                out.setdefault(n.signature)
+        return list(out)
+
+    def assemble(self, graph: Graph) -> Profile:
+        """The profile of one graph from the stored entries; every non-view op must be stored."""
+        stored = self._load()
+        ops: dict[str, OpProfile] = {}
+        absent: list[str] = []
+        for n in graph.nodes:
+            if KINDS[n.kind].view:
+                ops.setdefault(n.signature, view_profile(n, graph))
+            elif n.signature in stored.ops:
+                ops[n.signature] = stored.ops[n.signature]
+            else:
+                absent.append(n.name)
+        if absent:
+            raise PlannerError(f"{len(absent)} ops of {graph.model_name} are not in the profile store {self.path} "
+                               f"(first: {absent[0]}); run `planner profile` for this model first")
+        return Profile(estimated=self.estimated, device=stored.device, dtype=graph.dtype,
+                       graph_sha256=graph.graph_sha256, ops=ops)
+
+
+def profile_graph(graph: Graph, store: ProfileStore, measure: Callable[[list[Node]], Iterable[OpProfile]],
+                  force: bool = False) -> tuple[Profile, int]:
+    """Measure (or estimate) what the store lacks, or every op with force, and assemble the graph's profile.
+
+    `measure` gets one node per signature to do and yields OpProfiles; they are saved in batches while it runs,
+    so an interrupted run keeps what it finished. Returns the profile and how many ops were measured now.
+    """
+    if force:
+        todo = list(dict.fromkeys(n.signature for n in graph.nodes if not KINDS[n.kind].view))
+    else:
+        todo = store.missing(graph)
+    first = {}
+    for n in graph.nodes:
+        first.setdefault(n.signature, n)
+    done, pending, last_flush = 0, [], time.monotonic()
+    try:
+        for op in measure([first[s] for s in todo]):
+            pending.append(op)
+            done += 1
+            if len(pending) >= FLUSH_EVERY_OPS or time.monotonic() - last_flush >= FLUSH_EVERY_S:
+                store.put_many(pending)
+                pending, last_flush = [], time.monotonic()
+    finally:
+        store.put_many(pending)
+    return store.assemble(graph), done

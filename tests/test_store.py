@@ -1,0 +1,200 @@
+"""The profile store: sharing by signature, re-runs that measure nothing, force, device refusal, concurrent writers."""
+
+import io
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from planner.analytic import estimate_ops, profile_analytic
+from planner.devices import load_device
+from planner.files import PlannerError, load_model, save_model
+from planner.onnx_import import import_onnx
+from planner.profile import Candidate, OpProfile, Profile
+from planner.profile_report import print_summary, summary_json, tradeoff
+from planner.store import ProfileStore, profile_graph, require_same_device
+
+MODELS = Path(__file__).parent / "models"
+H100 = load_device("h100")
+MEASURED = H100.model_copy(update={"cudnn_version": "91002", "driver_version": "580.1"})
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    return import_onnx(MODELS / "resnet50.op13.onnx", batch=1)
+
+
+@pytest.fixture(scope="module")
+def resnext():
+    return import_onnx(MODELS / "resnext50.op13.onnx", batch=1)
+
+
+def entry(signature, time_us=1.0, workspace=0, name="a"):
+    return OpProfile(signature=signature, kind="relu",
+                     candidates=[Candidate(name=name, time_us=time_us, workspace_bytes=workspace)])
+
+
+class Counter:
+    """A measure function that estimates and remembers what it was asked for."""
+
+    def __init__(self, graph, device=H100):
+        self.graph, self.device, self.seen = graph, device, []
+
+    def __call__(self, nodes):
+        self.seen += [n.signature for n in nodes]
+        yield from estimate_ops(self.graph, self.device, nodes)
+
+
+def test_put_get_round_trip(tmp_path):
+    store = ProfileStore(tmp_path, MEASURED)
+    assert store.get("s1") is None
+    store.put(entry("s1", 2.0))
+    store.put_many([entry("s2"), entry("s1", 3.0)])
+    again = ProfileStore(tmp_path, MEASURED)
+    assert again.get("s1").candidates[0].time_us == 3.0
+    assert set(again.entries()) == {"s1", "s2"}
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
+
+
+def test_second_run_measures_nothing_and_force_measures_all(tmp_path, resnet):
+    store = ProfileStore(tmp_path, H100, estimated=True)
+    first = Counter(resnet)
+    profile, done = profile_graph(resnet, store, first)
+    distinct = {n.signature for n in resnet.nodes if n.kind != "reshape"}
+    assert done == len(distinct) and sorted(first.seen) == sorted(distinct)
+    assert profile.graph_sha256 == resnet.graph_sha256 and profile.estimated
+    assert set(profile.ops) == {n.signature for n in resnet.nodes}
+    assert store.missing(resnet) == []
+    second = Counter(resnet)
+    assert profile_graph(resnet, store, second)[1] == 0 and second.seen == []
+    forced = Counter(resnet)
+    assert profile_graph(resnet, store, forced, force=True)[1] == len(distinct)
+
+
+def test_identical_layers_share_entries_across_models(tmp_path, resnet, resnext):
+    store = ProfileStore(tmp_path, H100, estimated=True)
+    profile_graph(resnet, store, Counter(resnet))
+    todo = store.missing(resnext)
+    all_resnext = {n.signature for n in resnext.nodes if n.kind != "reshape"}
+    assert 0 < len(todo) < len(all_resnext)  # the stem, pooling and many 1x1 convs are already there
+    counter = Counter(resnext)
+    profile_graph(resnext, store, counter)
+    assert sorted(counter.seen) == sorted(todo)
+
+
+def test_analytic_entry_point(tmp_path, resnet):
+    profile, done = profile_analytic(resnet, H100, tmp_path)
+    assert done > 0 and profile.estimated
+    assert profile_analytic(resnet, H100, tmp_path)[1] == 0
+    assert profile_analytic(resnet, H100, None)[0].ops.keys() == profile.ops.keys()
+    assert (tmp_path / "NVIDIA_H100_80GB_HBM3-9.0-analytic-132.estimated.json").exists()
+
+
+def test_assemble_refuses_an_incomplete_store(tmp_path, resnet):
+    store = ProfileStore(tmp_path, H100, estimated=True)
+    with pytest.raises(PlannerError, match="not in the profile store"):
+        store.assemble(resnet)
+
+
+def test_other_device_or_cudnn_is_refused(tmp_path):
+    store = ProfileStore(tmp_path, MEASURED)
+    store.put(entry("s1"))
+    other_cudnn = MEASURED.model_copy(update={"cudnn_version": "90100"})
+    require_same_device(MEASURED.model_copy(update={"driver_version": "999"}), MEASURED)
+    with pytest.raises(PlannerError, match="cuDNN 91002"):
+        require_same_device(MEASURED, other_cudnn)
+    # a store file renamed or copied to another device's name is not used
+    ProfileStore(tmp_path, other_cudnn).path.write_text(store.path.read_text())
+    with pytest.raises(PlannerError, match="made for device"):
+        ProfileStore(tmp_path, other_cudnn).get("s1")
+    profile = Profile(device=other_cudnn, dtype="fp32", ops={"s9": entry("s9")})
+    with pytest.raises(PlannerError, match="made for device"):
+        store.import_profile(profile)
+    assert store.import_profile(profile.model_copy(update={"device": MEASURED})) == 1
+
+
+def test_estimated_and_measured_never_mix(tmp_path):
+    device = MEASURED
+    measured, estimated = ProfileStore(tmp_path, device), ProfileStore(tmp_path, device, estimated=True)
+    measured.put(entry("m"))
+    estimated.put(entry("e"))
+    assert measured.path != estimated.path
+    assert set(measured.entries()) == {"m"} and set(estimated.entries()) == {"e"}
+    estimated.path.write_text(measured.path.read_text())
+    with pytest.raises(PlannerError, match="holds measured entries"):
+        estimated.entries()
+    with pytest.raises(PlannerError, match="cannot mix"):
+        measured.import_profile(Profile(device=device, dtype="fp32", estimated=True))
+
+
+def test_broken_store_files_are_clear_errors(tmp_path):
+    store = ProfileStore(tmp_path, MEASURED)
+    store.directory.mkdir(exist_ok=True)
+    store.path.write_text("{not json")
+    with pytest.raises(PlannerError, match="not a readable profile store"):
+        store.entries()
+    store.path.write_text(json.dumps({"kind": "profile_store", "format_version": 99}))
+    with pytest.raises(PlannerError, match="format version 99"):
+        store.entries()
+
+
+def _writer(directory, worker, count):
+    store = ProfileStore(directory, MEASURED)
+    for i in range(count):
+        store.put(entry(f"w{worker}-{i}"))
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(tmp_path, w, 25)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert set(ProfileStore(tmp_path, MEASURED).entries()) == {f"w{w}-{i}" for w in range(4) for i in range(25)}
+
+
+def test_interrupted_run_keeps_finished_entries(tmp_path, resnet):
+    store = ProfileStore(tmp_path, H100, estimated=True)
+
+    def flaky(nodes):
+        yield from estimate_ops(resnet, H100, nodes[:3])
+        raise RuntimeError("GPU fell off the bus")
+
+    with pytest.raises(RuntimeError):
+        profile_graph(resnet, store, flaky)
+    assert len(store.entries()) == 3
+
+
+def test_report_rows_json_and_table(tmp_path, resnet):
+    profile, _ = profile_analytic(resnet, load_device("k40"), tmp_path)
+    save_model(profile, tmp_path / "p.json")
+    profile = load_model(Profile, tmp_path / "p.json")
+    data = summary_json(profile)
+    assert data["estimated"] is True and data["ops"] == len(profile.ops)
+    conv = next(r for r in data["kinds"] if r["kind"] == "conv")
+    assert conv["candidates_min"] >= 3 and conv["spread_max"] >= conv["spread_median"] >= 1
+    assert conv["workspace_min_bytes"] == 0 < conv["workspace_max_bytes"]
+    assert len(data["fastest_not_leanest"]) == sum(r["fastest_not_leanest"] for r in data["kinds"]) > 0
+    out = io.StringIO()
+    print_summary(profile, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "ESTIMATED" in text and "conv" in text and "fastest candidate is not the leanest" in text
+    out = io.StringIO()
+    print_summary(profile, Console(file=out, width=40), as_json=True)
+    assert json.loads(out.getvalue()) == json.loads(json.dumps(data))
+
+
+def test_tradeoff_picks_fastest_and_leanest():
+    op = OpProfile(signature="s", kind="conv", candidates=[
+        Candidate(name="fast", time_us=1.0, workspace_bytes=100),
+        Candidate(name="lean", time_us=3.0, workspace_bytes=0),
+        Candidate(name="mid", time_us=2.0, workspace_bytes=0),
+    ])
+    t = tradeoff(op)
+    assert (t.fastest, t.leanest, t.leanest_us) == ("fast", "mid", 2.0)
+    op.candidates[0].workspace_bytes = 0
+    assert tradeoff(op) is None
