@@ -17,6 +17,7 @@ from onnx import numpy_helper, shape_inference
 from google.protobuf.message import DecodeError
 
 from planner import ops
+from planner.ops import conv_out_size, pool_out_size
 from planner.files import PlannerError
 from planner.ir import Graph, Node, Tensor, finalize
 
@@ -295,6 +296,9 @@ class _Builder:
         dilations = list(a.get("dilations", [1, 1]))
         attrs = {"strides": strides, "pads": _spatial_pads(a, x_shape, kernel, strides, dilations),
                  "dilations": dilations, "groups": int(a.get("group", 1))}
+        pads = attrs["pads"]
+        self.shapes.setdefault(node.output[0], [x_shape[0], w_shape[0]] + [
+            conv_out_size(x_shape[2 + i], kernel[i], strides[i], dilations[i], pads[i], pads[2 + i]) for i in (0, 1)])
         inputs = [self.operand(i) for i in ins if i]
         self.emit("conv", node, inputs, [(node.output[0], "activation", self.dtype)], attrs)
 
@@ -304,6 +308,7 @@ class _Builder:
                   self.operand(ins[3], "state", "fp32"), self.operand(ins[4], "state", "fp32")]
         attrs = {"epsilon": float(a.get("epsilon", 1e-5)), "momentum": float(a.get("momentum", 0.9)),
                  "training": training}
+        self.shapes.setdefault(node.output[0], self.shape(ins[0]))  # inference may give up on training_mode=1
         outputs = [(node.output[0], "activation", self.dtype)]
         if training:
             c = self.shape(ins[0])[1]
@@ -318,6 +323,8 @@ class _Builder:
             self.tensors[f"{node.output[0]}.running_var"].alias_of = params[3]
 
     def _unary(self, kind, node, ins, attrs=None):
+        if kind not in ("maxpool", "avgpool", "globalavgpool"):
+            self.shapes.setdefault(node.output[0], self.shape(ins[0]))
         self.emit(kind, node, [ins[0]], [(node.output[0], "activation", self.dtype)], attrs)
 
     def _Relu(self, node, a, ins):
@@ -336,6 +343,7 @@ class _Builder:
 
     def _binary(self, kind, node, ins):
         operands = [self.operand(i, "constant") for i in ins]
+        self.shapes.setdefault(node.output[0], list(np.broadcast_shapes(*(tuple(self.shape(o)) for o in operands))))
         self.emit(kind, node, operands, [(node.output[0], "activation", self.dtype)])
 
     def _Add(self, node, a, ins):
@@ -355,6 +363,10 @@ class _Builder:
         attrs = {"kernel": kernel, "strides": strides,
                  "pads": _spatial_pads(a, self.shape(ins[0]), kernel, strides, dilations),
                  "ceil_mode": int(a.get("ceil_mode", 0))}
+        x_shape, pads = self.shape(ins[0]), attrs["pads"]
+        self.shapes.setdefault(node.output[0], x_shape[:2] + [
+            pool_out_size(x_shape[2 + i], kernel[i], strides[i], dilations[i], pads[i], pads[2 + i], attrs["ceil_mode"])
+            for i in (0, 1)])
         if kind == "maxpool":
             attrs["dilations"] = dilations
         else:
@@ -372,15 +384,21 @@ class _Builder:
         self._pool("avgpool", node, a, ins)
 
     def _GlobalAveragePool(self, node, a, ins):
+        self.shapes.setdefault(node.output[0], self.shape(ins[0])[:2] + [1, 1])
         self._unary("globalavgpool", node, ins)
 
     def _Concat(self, node, a, ins):
         operands = [self.operand(i, "constant") for i in ins]
         axis = int(a["axis"]) % len(self.shape(ins[0]))
+        shape = list(self.shape(operands[0]))
+        shape[axis] = sum(self.shape(o)[axis] for o in operands)
+        self.shapes.setdefault(node.output[0], shape)
         self.emit("concat", node, operands, [(node.output[0], "activation", self.dtype)], {"axis": axis})
 
     def _Gemm(self, node, a, ins):
         operands = [self.operand(i) for i in ins if i]
+        a_shape, b_shape = self.shape(operands[0]), self.shape(operands[1])
+        self.shapes.setdefault(node.output[0], [a_shape[1 if a.get("transA") else 0], b_shape[0 if a.get("transB") else 1]])
         attrs = {"transA": int(a.get("transA", 0)), "transB": int(a.get("transB", 0)),
                  "alpha": float(a.get("alpha", 1.0)), "beta": float(a.get("beta", 1.0))}
         self.emit("gemm", node, operands, [(node.output[0], "activation", self.dtype)], attrs)
@@ -400,6 +418,9 @@ class _Builder:
         self.tensors[self.nodes[-1].outputs[0]].alias_of = ins[0]
 
     def _Flatten(self, node, a, ins):
+        shape = self.shape(ins[0])
+        axis = int(a.get("axis", 1)) % (len(shape) + 1)
+        self.shapes.setdefault(node.output[0], [math.prod(shape[:axis]), math.prod(shape[axis:])])
         self._view(node, ins)
 
     def _Reshape(self, node, a, ins):
@@ -423,6 +444,7 @@ class _Builder:
             return
         mask = f"{node.output[0]}.mask"
         self.shapes[mask] = self.shape(ins[0])
+        self.shapes.setdefault(node.output[0], self.shape(ins[0]))
         self.emit("dropout", node, [ins[0]], [(node.output[0], "activation", self.dtype), (mask, "activation", "uint8")],
                   {"ratio": ratio, "seed": len(self.nodes)})
 

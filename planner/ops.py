@@ -41,6 +41,23 @@ def _pool_flops(ins, outs, a):
     return _numel(outs[0]) * math.prod(a.get("kernel", [1]))
 
 
+def pool_out_size(size: int, kernel: int, stride: int, dilation: int, pad_begin: int, pad_end: int,
+                  ceil_mode: int) -> int:
+    """Output length of a pooling window sweep (ONNX/PyTorch rule: with ceil_mode, a last window that would start
+    in the end padding is dropped)."""
+    span = (kernel - 1) * dilation + 1
+    if not ceil_mode:
+        return (size + pad_begin + pad_end - span) // stride + 1
+    out = -(-(size + pad_begin + pad_end - span) // stride) + 1
+    if (out - 1) * stride >= size + pad_begin:
+        out -= 1
+    return out
+
+
+def conv_out_size(size: int, kernel: int, stride: int, dilation: int, pad_begin: int, pad_end: int) -> int:
+    return pool_out_size(size, kernel, stride, dilation, pad_begin, pad_end, 0)
+
+
 KINDS: dict[str, OpKind] = {}
 
 
@@ -77,9 +94,9 @@ _k("softmax_xent", "[logits, labels] -> [loss, probs]: mean over the batch of -l
    phase="loss", flops=lambda i, o, a: 6 * _numel(i[0]))
 # backward
 _k("softmax_xent_bwd", "[probs, labels] -> [dlogits]: (probs - onehot(labels)) / N", phase="backward")
-_k("conv_bwd_data", "[dy, w] -> [dx]: data gradient of conv (same attrs as the conv)", phase="backward",
+_k("conv_bwd_data", "[dy, w] -> [dx]: data gradient of conv (the conv's attrs plus x_shape)", phase="backward",
    flops=lambda i, o, a: 2 * _numel(i[0]) * _numel(i[1][1:]))
-_k("conv_bwd_filter", "[x, dy] -> [dw]: weight gradient of conv (same attrs as the conv)", phase="backward",
+_k("conv_bwd_filter", "[x, dy] -> [dw]: weight gradient of conv (the conv's attrs plus w_shape)", phase="backward",
    flops=lambda i, o, a: 2 * _numel(i[1]) * _numel(o[0][1:]))
 _k("bias_grad", "[dy] -> [db]: sum of dy over every axis but attr axis (bias gradient of conv and gemm)", phase="backward", flops=lambda i, o, a: _numel(i[0]))
 _k("reduce_to_shape", "[dy] -> [dx]: sum of dy over broadcast axes down to attr shape (gradient of a broadcast operand)", phase="backward",

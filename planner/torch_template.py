@@ -117,9 +117,8 @@ class PlannedNet(torch.nn.Module):
         self.params = torch.nn.ParameterDict()
         self.buffers_ = {}
         for i, (name, t) in enumerate(sorted(GRAPH["persistent"].items())):
-            dtype = torch.float32 if t["dtype"] == "fp32" and t["role"] != "weight" else self.dtype_
-            if t["role"] == "weight" and t.get("bn_param"):
-                dtype = torch.float32
+            # BatchNormalization parameters and statistics stay fp32 under fp16 compute, as cuDNN wants them
+            dtype = torch.float32 if self.dtype_ == torch.float16 and t["dtype"] == "fp32" else self.dtype_
             value = _initial_value(name, t, values, gen)
             tensor = value.to(self.device_, dtype)
             if t["role"] == "weight":
@@ -178,7 +177,7 @@ class PlannedNet(torch.nn.Module):
         self.optimizer.zero_grad(set_to_none=True)
         with _OffloadHooks(self) if PLAN.get("offload") and self.uses_streams else _nothing():
             logits = self(x)
-        loss = F.cross_entropy(logits.float(), labels.to(self.device_))
+        loss = F.cross_entropy(logits.float() if logits.dtype == torch.float16 else logits, labels.to(self.device_))
         loss.backward()
         self.optimizer.step()
         return loss.detach()
@@ -249,7 +248,7 @@ def _initial_value(name, t, values, gen):
     shape = t["shape"]
     source = values.get(t.get("source", name))
     if source is not None and list(source.shape) == shape:
-        return source.float()
+        return source
     if t.get("value") is not None:
         return torch.tensor(t["value"], dtype=torch.float32).reshape(shape)
     if t["role"] == "state":

@@ -132,11 +132,11 @@ class _Backward:
         x, w = n.inputs[0], n.inputs[1]
         if self.needs_grad[x]:
             dx = self.out_grad(n, 0)
-            self.emit("conv_bwd_data", [dy, w], [dx], dict(n.attrs), n.name)
+            self.emit("conv_bwd_data", [dy, w], [dx], {**n.attrs, "x_shape": self.tensors[x].shape}, n.name)
             self.contribute(x, dx)
         if self.needs_grad[w]:
             dw = self.out_grad(n, 1)
-            self.emit("conv_bwd_filter", [x, dy], [dw], dict(n.attrs), n.name)
+            self.emit("conv_bwd_filter", [x, dy], [dw], {**n.attrs, "w_shape": self.tensors[w].shape}, n.name)
             self.contribute(w, dw)
         if len(n.inputs) > 2 and self.needs_grad[n.inputs[2]]:
             db = self.out_grad(n, 2)
