@@ -59,6 +59,7 @@ class OpProfile(BaseModel):
     candidates: list[Candidate]
     measured_count: int = Field(0, description="candidates measured before pruning to the ones kept")
     unsupported: list[Unsupported] = Field(default_factory=list)
+    estimated: bool = Field(False, description="costs from the analytic model (no GPU implementation measured yet)")
 
 
 class DeviceInfo(BaseModel):
@@ -130,3 +131,19 @@ class Profile(BaseModel):
     dtype: Literal["fp32", "fp16"]
     graph_sha256: str | None = Field(None, description="the graph this profile was assembled for, if any")
     ops: dict[str, OpProfile] = Field(default_factory=dict, description="keyed by op signature")
+
+
+def prune_candidates(candidates: list[Candidate], keep_fastest: int = 3) -> list[Candidate]:
+    """The Pareto front over (time, workspace, sm_fraction) plus the fastest few, fastest first.
+
+    Shipped profiles stay small, and no candidate the solver could prefer is lost.
+    """
+    def dominated(c: Candidate) -> bool:
+        return any(o is not c and o.time_us <= c.time_us and o.workspace_bytes <= c.workspace_bytes
+                   and o.sm_fraction <= c.sm_fraction
+                   and (o.time_us, o.workspace_bytes, o.sm_fraction) != (c.time_us, c.workspace_bytes, c.sm_fraction)
+                   for o in candidates)
+
+    by_time = sorted(candidates, key=lambda c: c.time_us)
+    keep = {id(c) for c in by_time[:keep_fastest]} | {id(c) for c in candidates if not dominated(c)}
+    return [c for c in by_time if id(c) in keep]

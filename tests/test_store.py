@@ -198,3 +198,13 @@ def test_tradeoff_picks_fastest_and_leanest():
     assert (t.fastest, t.leanest, t.leanest_us) == ("fast", "mid", 2.0)
     op.candidates[0].workspace_bytes = 0
     assert tradeoff(op) is None
+
+
+def test_prune_keeps_pareto_front_and_fastest():
+    from planner.profile import Candidate, prune_candidates
+
+    c = lambda n, t, ws, sm: Candidate(name=n, time_us=t, workspace_bytes=ws, sm_fraction=sm)  # noqa: E731
+    cands = [c("fast_big", 10, 1000, 1.0), c("lean", 20, 0, 1.0), c("narrow", 30, 0, 0.2),
+             c("dominated", 40, 1000, 1.0), c("slow_dominated", 50, 500, 1.0), c("second", 11, 2000, 1.0)]
+    kept = [k.name for k in prune_candidates(cands, keep_fastest=2)]
+    assert kept == ["fast_big", "second", "lean", "narrow"]
