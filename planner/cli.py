@@ -174,10 +174,174 @@ def profile(
     print_summary(result, console)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def solve(ctx: typer.Context):
+def _profile_for(graph, profile_path: Path, analytic: Optional[str]):
+    """A measured profile from a file or store directory; otherwise the analytic one, said out loud."""
+    from planner.files import load_model
+    from planner.profile import Profile
+    from planner.store import measured_profile_for
+
+    if analytic is None and profile_path.is_file():
+        return load_model(Profile, profile_path, expect_graph_sha256=graph.graph_sha256)
+    measured = measured_profile_for(graph, profile_path) if analytic is None and profile_path.is_dir() else None
+    if measured is not None:
+        return measured
+    from planner.analytic import estimate_profile
+    from planner.devices import load_device
+
+    device = load_device(analytic or "h100")
+    console.print(f"[yellow]ESTIMATED[/]: no measured profile of every op in {profile_path}; using the analytic "
+                  f"model of {device.name} (run `planner profile` on the GPU for measured costs)")
+    return estimate_profile(graph, device)
+
+
+@app.command()
+def solve(
+    model: Path = ModelArg,
+    mem: Optional[str] = typer.Option(None, "--mem", help="memory cap: 11GB, 512MiB, 40% of the device; "
+                                                          "several (2GB,4GB,8GB) for a trade-off sweep"),
+    batch: int = BatchOpt,
+    dtype: DType = DTypeOpt,
+    train: bool = TrainOpt,
+    profile_path: Path = typer.Option(DEFAULT_STORE, "--profile", help="profile store directory or profile file"),
+    analytic: Optional[str] = typer.Option(None, "--analytic", help="use the analytic profile of this device"),
+    streams: int = typer.Option(4, "--streams", min=1, max=32, help="compute streams"),
+    time_limit: float = typer.Option(60.0, "--time-limit", min=0.1, help="CP-SAT limit (deterministic seconds)"),
+    workers: int = typer.Option(8, "--workers", min=1, help="CP-SAT workers"),
+    seed: int = typer.Option(0, "--seed", help="CP-SAT random seed"),
+    sweep: bool = typer.Option(False, "--sweep", help="solve at 100/70/50/30% of the serial peak"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="plan file (default plans/MODEL.bN.DTYPE.json)"),
+    png: Optional[Path] = typer.Option(None, "--png", help="with several caps: the trade-off chart"),
+):
     """Choose algorithms, streams, offloads and recomputations under a memory cap with CP-SAT."""
-    _not_built("solve", "the CP-SAT planner is being built")
+    from planner.memsize import parse_sizes
+    from planner.solve import Options, solve_plan
+    from planner.stats import serial_peak_bytes
+
+    graph = load_graph(model, batch, dtype, train)
+    prof = _profile_for(graph, profile_path, analytic)
+    device_bytes = prof.device.memory_bytes
+    if sweep:
+        caps = [int(serial_peak_bytes(graph) * f) for f in (1.0, 0.7, 0.5, 0.3)]
+    else:
+        caps = parse_sizes(mem, device_bytes) if mem else [device_bytes]
+    options = Options(streams=streams, time_limit_s=time_limit, workers=workers, seed=seed)
+    mode = "train" if graph.training else "infer"
+    stem = f"{graph.model_name}.{mode}.b{graph.batch}.{graph.dtype}"
+    rows = []
+    for cap in caps:
+        plan = _solve_one(graph, prof, cap, options, len(caps) > 1)
+        rows.append((cap, plan))
+        if plan is None:
+            continue
+        target = out if out and len(caps) == 1 else (out.with_suffix(f".{cap >> 20}MiB.json") if out else
+                                                     Path("plans") / f"{stem}.{cap >> 20}MiB.json"
+                                                     if len(caps) > 1 else Path("plans") / f"{stem}.json")
+        save_model(plan, target)
+        if len(caps) == 1:
+            _print_plan_summary(plan)
+        console.print(f"plan written to {target}")
+    if len(caps) > 1:
+        _print_tradeoff(rows, graph, png)
+    if all(p is None for _, p in rows):
+        from planner.solve import CapTooSmall
+
+        raise CapTooSmall("no cap of the sweep can be met", 0)
+
+
+def _solve_one(graph, prof, cap: int, options, sweeping: bool):
+    from rich.live import Live
+
+    from planner.solve import CapTooSmall, solve_plan
+
+    status = Text(f"solving at cap {fmt_bytes(cap)}: building the model…")
+    with Live(status, console=console, transient=True, refresh_per_second=4):
+        def progress(best_us: float, bound_us: float, elapsed_s: float) -> None:
+            status.plain = (f"solving at cap {fmt_bytes(cap)}: {elapsed_s:5.1f} s, best {best_us:.1f} us, "
+                            f"bound {bound_us:.1f} us")
+        try:
+            return solve_plan(graph, prof, cap, options, progress)
+        except CapTooSmall as e:
+            if not sweeping:
+                raise
+            console.print(f"[red]cap {fmt_bytes(cap)}[/]: {e}")
+            return None
+
+
+def _print_plan_summary(plan) -> None:
+    t = plan.totals
+    table = Table(show_header=False, title=f"plan for {plan.model_name} b{plan.batch} {plan.dtype}"
+                  + (" [yellow](ESTIMATED profile)[/]" if plan.estimated else ""), title_justify="left")
+    rows = [
+        ("predicted iteration time", f"{t.makespan_us:.1f} us"),
+        ("baseline (serial, fastest algorithm, all kept)", f"{t.baseline_makespan_us:.1f} us, "
+                                                          f"peak {fmt_bytes(t.baseline_peak_bytes)}"),
+        ("speed-up over the baseline", f"{t.baseline_makespan_us / t.makespan_us:.2f}x"),
+        ("predicted peak memory / cap", f"{fmt_bytes(t.peak_bytes)} / {fmt_bytes(t.mem_cap_bytes)}"),
+        ("offloaded / recomputed", f"{fmt_bytes(t.offloaded_bytes)} / {fmt_bytes(t.recomputed_bytes)}"),
+        ("compute streams / events", f"{t.streams_used} / {t.events_used}"),
+        ("lower bound, gap", f"{t.lower_bound_us:.1f} us ("
+                             + ", ".join(f"{k} {v:.1f}" for k, v in t.bounds_us.items()) + f"), gap {t.gap:.1%}"),
+        ("solver", f"{t.status} in {t.solve_time_s:.1f} s"),
+    ]
+    rows += [("simplified", s) for s in t.simplifications]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def _print_tradeoff(rows, graph, png: Optional[Path]) -> None:
+    table = Table("cap", "predicted time", "vs baseline", "peak", "offloaded", "recomputed", "status",
+                  title=f"time against memory: {graph.model_name} b{graph.batch} {graph.dtype}", title_justify="left")
+    for cap, plan in rows:
+        if plan is None:
+            table.add_row(fmt_bytes(cap), "no plan", "", "", "", "", "cap too small")
+            continue
+        t = plan.totals
+        table.add_row(fmt_bytes(cap), f"{t.makespan_us:.1f} us", f"{t.baseline_makespan_us / t.makespan_us:.2f}x",
+                      fmt_bytes(t.peak_bytes), fmt_bytes(t.offloaded_bytes), fmt_bytes(t.recomputed_bytes), t.status)
+    console.print(table)
+    if png is not None:
+        from planner.show import draw_tradeoff
+
+        base = next((p.totals.baseline_makespan_us for _, p in rows if p is not None), 0.0)
+        draw_tradeoff([(c, p.totals.makespan_us if p else None, base) for c, p in rows], png,
+                      f"{graph.model_name} b{graph.batch} {graph.dtype}")
+        console.print(f"trade-off chart written to {png}")
+
+
+@app.command()
+def check(plan_file: Path = typer.Argument(..., metavar="PLAN", help="plan JSON written by `planner solve`")):
+    """Re-validate a plan by simulating its streams and waits; exit 1 on any violation."""
+    from planner.check import check_plan
+    from planner.files import load_model
+    from planner.plan import Plan
+
+    plan = load_model(Plan, plan_file)
+    report = check_plan(plan)
+    console.print(f"simulated: {report.makespan_us:.1f} us (plan says {plan.totals.makespan_us:.1f}), peak "
+                  f"{fmt_bytes(report.peak_bytes)} (plan says {fmt_bytes(plan.totals.peak_bytes)}, cap "
+                  f"{fmt_bytes(plan.totals.mem_cap_bytes)})")
+    if not report.ok:
+        for v in report.violations[:20]:
+            err_console.print(f"violation: {v}")
+        raise PlannerError(f"{len(report.violations)} violations in {plan_file}")
+    console.print(f"[green]ok[/]: {len(plan.ops)} ops, {len(plan.copies)} copies on "
+                  f"{plan.compute_streams} compute streams; every rule holds")
+
+
+@app.command()
+def show(plan_file: Path = typer.Argument(..., metavar="PLAN", help="plan JSON written by `planner solve`"),
+         png: Optional[Path] = typer.Option(None, "--png", help="also draw the timeline as a PNG")):
+    """Print a plan's per-stream timeline (and draw it with --png)."""
+    from planner.files import load_model
+    from planner.plan import Plan
+    from planner.show import draw_timeline, print_timeline
+
+    plan = load_model(Plan, plan_file)
+    print_timeline(plan, console)
+    if png is not None:
+        draw_timeline(plan, png)
+        console.print(f"timeline drawn to {png}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

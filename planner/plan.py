@@ -18,8 +18,13 @@ class ScheduledOp(BaseModel):
     workspace_bytes: int = 0
     sm_fraction: float = 1.0
     recompute_of: str | None = Field(None, description="set when this entry recomputes a dropped tensor")
+    recompute_nodes: list[str] = Field(default_factory=list, description="the ops a recomputation re-runs, in "
+                                       "order (BatchNormalization with its saved batch statistics)")
     record_event: str | None = None
     wait_events: list[str] = Field(default_factory=list)
+    reads: list[str] = Field(default_factory=list, description="non-persistent tensors (storages) it reads")
+    writes: list[str] = Field(default_factory=list, description="non-persistent tensors (storages) it creates")
+    deps: list[str] = Field(default_factory=list, description="ops that must end before it starts (graph edges)")
 
 
 class Copy(BaseModel):
@@ -38,20 +43,29 @@ class Residency(BaseModel):
     bytes: int
     decision: Literal["keep", "offload", "recompute"] = "keep"
     intervals_us: list[tuple[float, float]] = Field(description="when the tensor occupies device memory")
+    late_readers: list[str] = Field(default_factory=list, description="readers served by the second residency "
+                                                                      "(after the copy back or the recomputation)")
+    is_output: bool = Field(False, description="a graph output: lives to the end of the iteration")
 
 
 class Totals(BaseModel):
-    makespan_us: float
-    peak_bytes: int
+    makespan_us: float = Field(description="predicted iteration time: the plan's streams and waits, replayed")
+    peak_bytes: int = Field(description="predicted peak device memory, resident bytes included")
     mem_cap_bytes: int
+    resident_bytes: int = Field(0, description="weights, state, weight gradients, optimizer state")
     lower_bound_us: float
+    bounds_us: dict[str, float] = Field(default_factory=dict, description="each lower bound on the iteration time")
+    solver_makespan_us: float = Field(0.0, description="the makespan in the solver's time grid")
     baseline_makespan_us: float
+    baseline_peak_bytes: int = 0
     status: str
     gap: float
     solve_time_s: float
     streams_used: int = 0
     events_used: int = 0
     offloaded_bytes: int = 0
+    recomputed_bytes: int = 0
+    tick_us: float = 0.1
     simplifications: list[str] = Field(default_factory=list)
 
 

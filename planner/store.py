@@ -187,3 +187,19 @@ def profile_graph(graph: Graph, store: ProfileStore, measure: Callable[[list[Nod
     finally:
         store.put_many(pending)
     return store.assemble(graph), done
+
+
+def measured_profile_for(graph: Graph, directory: str | os.PathLike) -> Profile | None:
+    """The graph's profile from the first measured store file in `directory` that holds every op, if any
+    (without a GPU there is no fingerprint to ask for, so each device's file is tried, in name order)."""
+    for path in sorted(Path(directory).glob("*.json")):
+        if path.name.endswith(".estimated.json"):
+            continue
+        try:
+            device = DeviceInfo.model_validate(json.loads(path.read_text())["device"])
+        except (OSError, ValueError, KeyError, ValidationError):
+            continue
+        store = ProfileStore(directory, device)
+        if store.path == path and not store.missing(graph):
+            return store.assemble(graph)
+    return None

@@ -1,0 +1,263 @@
+"""Graph + Profile -> the scheduling problem the heuristic and CP-SAT both solve (pure data, integer time).
+
+Ops are the graph's non-view nodes; each has alternatives (the profile's candidates, dominated ones dropped);
+tensors are storages (a view or an in-place result shares its root's storage). Time is in integer ticks of
+`tick_us`; memory is in exact bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planner.files import PlannerError
+from planner.ir import Graph
+from planner.ops import KINDS
+from planner.profile import Candidate, DeviceInfo, Profile
+
+SM_CAPACITY = 100  # sm_fraction 1.0 in the cumulative's integer units
+MAX_TICKS = 400_000  # the horizon's resolution: coarser ticks beyond it keep large graphs tractable
+MIN_TICK_US = 0.1
+MIN_OFFLOAD_BYTES = 1 << 20  # smaller saved tensors are always kept: a copy's latency outweighs the saving
+
+
+@dataclass
+class Alternative:
+    """One candidate algorithm of one op."""
+
+    name: str
+    time_us: float
+    duration: int  # ticks
+    workspace_bytes: int
+    sm_demand: int  # of SM_CAPACITY
+
+
+@dataclass
+class Op:
+    name: str
+    kind: str
+    phase: str
+    alternatives: list[Alternative]
+    preds: list[int] = field(default_factory=list)  # ops that must end before this one starts
+    reads: list[int] = field(default_factory=list)  # tensors (storages) this op reads
+    writes: list[int] = field(default_factory=list)  # tensors (storages) this op creates
+
+
+@dataclass
+class TensorUse:
+    """One non-persistent storage: live from its producer's start (0 for graph inputs) to its last use."""
+
+    name: str
+    bytes: int
+    producer: int | None
+    early: list[int]  # consumers served by the first residency (all of them when the tensor is always kept)
+    late: list[int]  # backward consumers, which an offloaded or recomputed tensor serves from its second residency
+    is_output: bool
+    can_offload: bool = False
+    can_recompute: bool = False
+    d2h_ticks: int = 0
+    h2d_ticks: int = 0
+    d2h_us: float = 0.0
+    h2d_us: float = 0.0
+    recompute: Alternative | None = None  # the recomputation's cost: its chain at each op's fastest algorithm
+    recompute_chain: list[int] = field(default_factory=list)  # ops re-run, in order; the last is the producer
+    recompute_reads: list[int] = field(default_factory=list)  # tensors the chain reads, live until it ends
+
+    @property
+    def choosable(self) -> bool:
+        return self.can_offload or self.can_recompute
+
+
+@dataclass
+class Problem:
+    model_name: str
+    training: bool
+    ops: list[Op]
+    tensors: list[TensorUse]
+    resident_bytes: int  # weights, state, weight gradients, optimizer state: on the device throughout
+    tick_us: float
+    device: DeviceInfo
+    estimated: bool
+    simplifications: list[str] = field(default_factory=list)
+
+    @property
+    def op_index(self) -> dict[str, int]:
+        return {o.name: i for i, o in enumerate(self.ops)}
+
+    def ticks(self, us: float) -> int:
+        return max(1, round(us / self.tick_us))
+
+
+def dominated(c: Candidate, others: list[Candidate]) -> bool:
+    """Another candidate is no worse on time, workspace, SM share and DRAM share, and better on one."""
+    key = (c.time_us, c.workspace_bytes, c.sm_fraction, c.dram_fraction)
+    return any(
+        (o.time_us, o.workspace_bytes, o.sm_fraction, o.dram_fraction) != key
+        and o.time_us <= c.time_us and o.workspace_bytes <= c.workspace_bytes
+        and o.sm_fraction <= c.sm_fraction and o.dram_fraction <= c.dram_fraction
+        for o in others)
+
+
+def choose_alternatives(candidates: list[Candidate], limit: int) -> list[Candidate]:
+    """The non-dominated candidates, fastest first; past `limit`, the fastest, the leanest, the narrowest and
+    then the fastest others, so every kind of trade-off stays available."""
+    front = sorted((c for c in candidates if not dominated(c, candidates)), key=lambda c: c.time_us)
+    front = list({c.name: c for c in front}.values())
+    if len(front) <= limit:
+        return front
+    picks = [front[0], min(front, key=lambda c: (c.workspace_bytes, c.time_us)),
+             min(front, key=lambda c: (c.sm_fraction, c.time_us))]
+    for c in front:
+        picks.append(c)
+    out = list({id(c): c for c in picks}.values())[:limit]
+    return sorted(out, key=lambda c: c.time_us)
+
+
+def choose_tick_us(total_us: float) -> float:
+    """0.1 us, or coarser so the serial time spans at most MAX_TICKS ticks; a 1-2-5 step keeps it readable."""
+    raw = max(MIN_TICK_US, total_us / MAX_TICKS)
+    exponent = math.floor(math.log10(raw))
+    for step in (1, 2, 5, 10):
+        if step * 10 ** exponent >= raw - 1e-12:
+            return round(step * 10 ** exponent, 6)
+    return raw
+
+
+def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, offload: bool = True,
+                  recompute: bool = True) -> Problem:
+    """The scheduling problem of one graph with the costs of one profile."""
+    if profile.graph_sha256 not in (None, graph.graph_sha256):
+        raise PlannerError("the profile was assembled for another graph (model, batch, dtype or mode differ)")
+    if profile.dtype != graph.dtype:
+        raise PlannerError(f"the profile is for {profile.dtype}, the graph is {graph.dtype}")
+    nodes = [n for n in graph.nodes if not KINDS[n.kind].view]
+    chosen: dict[str, list[Candidate]] = {}
+    simplifications: list[str] = []
+    trimmed = 0
+    for n in nodes:
+        op_profile = profile.ops.get(n.signature)
+        if op_profile is None or not op_profile.candidates:
+            raise PlannerError(f"the profile has no candidate for op {n.name} ({n.kind}); run `planner profile`")
+        chosen[n.name] = choose_alternatives(op_profile.candidates, max_alternatives)
+        trimmed += len([c for c in op_profile.candidates if not dominated(c, op_profile.candidates)]) > max_alternatives
+    if trimmed:
+        simplifications.append(f"{trimmed} ops kept {max_alternatives} of their non-dominated candidates")
+    serial_us = sum(min(c.time_us for c in chosen[n.name]) for n in nodes)
+    tick_us = choose_tick_us(serial_us)
+    if tick_us > MIN_TICK_US:
+        simplifications.append(f"time grid coarsened to {tick_us:g} us")
+
+    def alternative(c: Candidate) -> Alternative:
+        return Alternative(c.name, c.time_us, max(1, round(c.time_us / tick_us)), c.workspace_bytes,
+                           max(1, min(SM_CAPACITY, math.ceil(c.sm_fraction * SM_CAPACITY - 1e-9))))
+
+    ops = [Op(n.name, n.kind, n.phase, [alternative(c) for c in chosen[n.name]]) for n in nodes]
+    index = {o.name: i for i, o in enumerate(ops)}
+    tensors = _tensor_uses(graph, index)
+    for t_i, t in enumerate(tensors):
+        if t.producer is not None:
+            ops[t.producer].writes.append(t_i)
+        for c in t.early + t.late:
+            ops[c].reads.append(t_i)
+    for n in nodes:
+        preds = {index[p] for name in n.inputs if (p := _data_producer(graph, name)) in index}
+        for out in n.outputs:  # an in-place update comes after every other reader of what it overwrites
+            if graph.tensors[out].alias_of is not None and graph.tensors[out].persistent:
+                preds |= {index[r] for r in graph.tensors[graph.tensors[out].alias_of].consumers if r in index}
+        preds.discard(index[n.name])
+        ops[index[n.name]].preds = sorted(preds)
+    resident = sum(t.bytes for name, t in graph.tensors.items() if t.alias_of is None and t.persistent)
+    problem = Problem(graph.model_name, graph.training, ops, tensors, resident, tick_us, profile.device,
+                      profile.estimated, simplifications)
+    _mark_choices(problem, graph, offload, recompute)
+    return problem
+
+
+def _data_producer(graph: Graph, name: str) -> str | None:
+    """The op that computed a tensor's data, looking through views (which are not ops)."""
+    while (p := graph.tensors[name].producer) is not None and KINDS[graph.node_by_name[p].kind].view:
+        name = graph.node_by_name[p].inputs[0]
+    return p
+
+
+def _tensor_uses(graph: Graph, index: dict[str, int]) -> list[TensorUse]:
+    """One TensorUse per non-persistent storage, with the (non-view) ops that create and read it."""
+    uses: dict[str, TensorUse] = {}
+    for name, t in graph.tensors.items():
+        if t.persistent:
+            continue
+        root = graph.storage_of(name)
+        if root not in uses:
+            uses[root] = TensorUse(root, graph.tensors[root].bytes, index.get(_data_producer(graph, root)), [], [],
+                                   False)
+        u = uses[root]
+        u.early = sorted(set(u.early) | {index[c] for c in t.consumers if c in index})
+        u.is_output |= name in graph.outputs
+    return list(uses.values())
+
+
+def _mark_choices(problem: Problem, graph: Graph, offload: bool, recompute: bool) -> None:
+    """Which tensors may be offloaded or recomputed: saved for backward, big enough, used in both phases."""
+    if not problem.training:
+        return
+    dev = problem.device
+    if offload and not (dev.h2d_bytes_per_s > 0 and dev.d2h_bytes_per_s > 0):
+        problem.simplifications.append("no offload: the profile has no host copy bandwidth")
+        offload = False
+    for t in problem.tensors:
+        late = [c for c in t.early if problem.ops[c].phase in ("backward", "update")]
+        if not late or t.bytes < MIN_OFFLOAD_BYTES or t.is_output:
+            continue
+        t.early = [c for c in t.early if c not in late]
+        t.late = late
+        t.can_offload = offload
+        t.d2h_us = dev.copy_latency_us + t.bytes / dev.d2h_bytes_per_s * 1e6 if offload else 0.0
+        t.h2d_us = dev.copy_latency_us + t.bytes / dev.h2d_bytes_per_s * 1e6 if offload else 0.0
+        t.d2h_ticks, t.h2d_ticks = problem.ticks(t.d2h_us), problem.ticks(t.h2d_us)
+        if recompute and t.producer is not None:
+            _mark_recompute(problem, graph, t)
+        if not t.choosable:
+            t.early, t.late = sorted(t.early + t.late), []
+
+
+MAX_CHAIN_OPS = 3
+
+
+def _mark_recompute(problem: Problem, graph: Graph, t: TensorUse) -> None:
+    """A saved tensor is recomputable from the chain of cheap forward ops that made it, walked back until every
+    input is a tensor kept for the backward pass anyway (or the chain is MAX_CHAIN_OPS long). BatchNormalization
+    in the chain is re-applied with its saved batch statistics (no running-stat update)."""
+    by_name = {u.name: i for i, u in enumerate(problem.tensors)}
+    saved = {i for i, u in enumerate(problem.tensors)
+             if any(problem.ops[c].phase in ("backward", "update") for c in u.early + u.late)}
+    chain: list[int] = []
+    op = t.producer
+    while True:
+        node = graph.node_by_name[problem.ops[op].name]
+        recomputable = KINDS[node.kind].recomputable and (len(node.outputs) == 1 or node.kind == "batchnorm")
+        if not recomputable or problem.ops[op].phase != "forward":
+            return
+        chain.insert(0, op)
+        unsaved = [r for r in problem.ops[op].reads if r not in saved and problem.tensors[r].producer is not None]
+        if not unsaved:
+            break
+        if len(unsaved) > 1 or len(chain) == MAX_CHAIN_OPS:
+            break
+        op = problem.tensors[unsaved[0]].producer
+    made = set()
+    reads: list[int] = []
+    for op in chain:
+        node = graph.node_by_name[problem.ops[op].name]
+        for r in problem.ops[op].reads:
+            if r not in made and r not in reads:
+                reads.append(r)
+        if node.kind == "batchnorm" and node.attrs.get("training"):
+            reads += [by_name[graph.storage_of(x)] for x in node.outputs[3:5] if graph.storage_of(x) in by_name]
+        made |= set(problem.ops[op].writes)
+    fastest = [min(problem.ops[o].alternatives, key=lambda a: a.time_us) for o in chain]
+    intermediate = sum(problem.tensors[w].bytes for o in chain[:-1] for w in problem.ops[o].writes)
+    time_us = sum(a.time_us for a in fastest)
+    t.can_recompute = True
+    t.recompute_chain, t.recompute_reads = chain, reads
+    t.recompute = Alternative("+".join(a.name for a in fastest), time_us, problem.ticks(time_us),
+                              max(a.workspace_bytes for a in fastest) + intermediate, max(a.sm_demand for a in fastest))

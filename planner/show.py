@@ -1,0 +1,119 @@
+"""Readable views of a plan: a per-stream text timeline, a PNG Gantt chart, the memory-cap trade-off chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.files import PlannerError, atomic_write_bytes
+from planner.plan import Plan
+
+BAR_MIN_WIDTH = 20
+
+
+def _stream_name(plan: Plan, stream: int) -> str:
+    if stream < plan.compute_streams:
+        return f"compute {stream}"
+    directions = {c.stream: c.direction for c in plan.copies}
+    return f"copy {directions.get(stream, stream)}"
+
+
+def _items_by_stream(plan: Plan) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for it in sorted([*plan.ops, *plan.copies], key=lambda it: it.start_us):
+        out.setdefault(it.stream, []).append(it)
+    return dict(sorted(out.items()))
+
+
+def _label(it) -> str:
+    if hasattr(it, "node"):
+        return (f"recompute {it.recompute_of}" if it.recompute_of else it.node) + f" [{it.algorithm}]"
+    return f"{it.direction} {it.tensor}"
+
+
+def print_timeline(plan: Plan, console: Console, ops_per_stream: int = 12) -> None:
+    """A bar per stream (█ busy, · idle) on one time axis, then each stream's items."""
+    t = plan.totals
+    span = max(t.makespan_us, 1e-9)
+    console.print(f"[bold]{plan.model_name}[/] {'training' if plan.training else 'inference'}, batch {plan.batch}, "
+                  f"{plan.dtype}: {t.makespan_us:.1f} us predicted (baseline {t.baseline_makespan_us:.1f} us), "
+                  f"peak {t.peak_bytes / 2**20:.1f} MiB of {t.mem_cap_bytes / 2**20:.1f} MiB"
+                  + (" [yellow](ESTIMATED profile)[/]" if plan.estimated else ""))
+    by_stream = _items_by_stream(plan)
+    width = max(BAR_MIN_WIDTH, console.width - 20)
+    for stream, items in by_stream.items():
+        cells = [0.0] * width
+        for it in items:
+            a, b = it.start_us / span * width, it.end_us / span * width
+            for k in range(int(a), min(width, int(b) + 1)):
+                cells[k] += max(0.0, min(b, k + 1) - max(a, k))
+        bar = "".join("█" if c >= 0.5 else ("▌" if c > 0 else "·") for c in cells)
+        busy = sum(it.end_us - it.start_us for it in items) / span
+        console.print(f"{_stream_name(plan, stream):>12} {bar} {busy:4.0%}")
+    console.print(f"{'':>12} 0{'':{width - 12}}{span:9.1f} us")
+    for stream, items in by_stream.items():
+        table = Table("start us", "end us", "item", "waits", title=f"{_stream_name(plan, stream)}: {len(items)} items",
+                      title_justify="left")
+        shown = items if len(items) <= ops_per_stream else items[:ops_per_stream]
+        for it in shown:
+            table.add_row(f"{it.start_us:.1f}", f"{it.end_us:.1f}", _label(it), ", ".join(it.wait_events))
+        if len(items) > len(shown):
+            table.add_row("…", "", f"{len(items) - len(shown)} more (all in the plan file)", "")
+        console.print(table)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlannerError("drawing PNGs needs matplotlib: pip install 'cnn-planner[plot]'") from None
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def draw_timeline(plan: Plan, path: Path) -> None:
+    """Gantt chart: one row per stream, ops coloured by phase of work, copies and recomputations apart."""
+    plt = _pyplot()
+    by_stream = _items_by_stream(plan)
+    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.5 * len(by_stream)))
+    for row, (stream, items) in enumerate(by_stream.items()):
+        for it in items:
+            colour = ("tab:orange" if not hasattr(it, "node") else "tab:red" if it.recompute_of
+                      else "tab:blue")
+            ax.broken_barh([(it.start_us, it.end_us - it.start_us)], (row - 0.4, 0.8), color=colour,
+                           edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(by_stream)), [_stream_name(plan, s) for s in by_stream])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (us)")
+    ax.set_title(f"{plan.model_name} b{plan.batch} {plan.dtype}: {plan.totals.makespan_us:.0f} us, "
+                 f"peak {plan.totals.peak_bytes / 2**20:.0f} MiB (blue ops, red recomputations, orange copies)")
+    _save(fig, path)
+    plt.close(fig)
+
+
+def draw_tradeoff(rows: list[tuple[int, float | None, float]], path: Path, title: str) -> None:
+    """Predicted iteration time against the memory cap; rows are (cap bytes, time us or None, baseline us)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    solved = [(c / 2**30, t) for c, t, _ in rows if t is not None]
+    if solved:
+        ax.plot(*zip(*solved), marker="o", label="planned")
+    ax.axhline(rows[0][2], color="grey", linestyle="--", label="serial fastest, uncapped")
+    ax.set_xlabel("memory cap (GiB)")
+    ax.set_ylabel("predicted iteration time (us)")
+    ax.set_title(title)
+    ax.legend()
+    _save(fig, path)
+    plt.close(fig)

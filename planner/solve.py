@@ -1,0 +1,147 @@
+"""Graph + Profile + memory cap -> Plan: the `planner solve` stage.
+
+Order of work: the problem; the framework-style baseline; a memory lower bound (exit 3 below it); the greedy
+serial schedule under the cap (hint and fallback); CP-SAT; the better schedule becomes the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from planner import cpsat
+from planner.files import PlannerError
+from planner.heuristic import baseline, greedy_serial, list_schedule
+from planner.ir import Graph
+from planner.plan import Plan, Totals
+from planner.problem import SM_CAPACITY, Problem, build_problem
+from planner.profile import Profile
+from planner.schedule import Schedule, peak_memory, timed
+from planner.streams import build_plan
+
+EXIT_CAP_TOO_SMALL = 3
+LIST_SLACKS = (1.0, 1.1, 1.5, float("inf"))  # how much slower an alternative the list scheduler may take
+
+
+class CapTooSmall(PlannerError):
+    """No schedule fits the cap; `minimum_bytes` is the smallest cap that does (or a proven lower bound)."""
+
+    exit_code = EXIT_CAP_TOO_SMALL
+
+    def __init__(self, message: str, minimum_bytes: int):
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+
+
+@dataclass
+class Options:
+    streams: int = 4
+    time_limit_s: float = 60.0
+    workers: int = 8
+    seed: int = 0
+    offload: bool = True
+    recompute: bool = True
+    max_alternatives: int = 8
+
+
+def lower_bounds_us(p: Problem, streams: int) -> dict[str, float]:
+    """Bounds every schedule obeys: the longest dependency chain at each op's fastest time; total SM work
+    (time x sm_fraction) over the whole GPU; total time over the number of streams."""
+    fastest = [min(a.time_us for a in o.alternatives) for o in p.ops]
+    finish = [0.0] * len(p.ops)
+    for i, o in enumerate(p.ops):
+        finish[i] = max((finish[j] for j in o.preds), default=0.0) + fastest[i]
+    work = sum(min(a.time_us * a.sm_demand / SM_CAPACITY for a in o.alternatives) for o in p.ops)
+    return {"critical_path": max(finish, default=0.0), "sm_work": work, "streams": sum(fastest) / streams}
+
+
+def memory_lower_bound(p: Problem) -> tuple[int, str]:
+    """(bytes, op): the resident bytes plus, for the op that needs most, the tensors it reads and writes and
+    its leanest workspace; these must all be on the device while it runs, in any schedule."""
+    best, where = p.resident_bytes, ""
+    for o in p.ops:
+        need = p.resident_bytes + sum(p.tensors[t].bytes for t in set(o.reads) | set(o.writes))
+        need += min(a.workspace_bytes for a in o.alternatives)
+        if need > best:
+            best, where = need, o.name
+    return best, where
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options = Options(),
+               on_progress: Callable[[float, float, float], None] | None = None) -> Plan:
+    p = build_problem(graph, profile, options.max_alternatives, options.offload, options.recompute)
+    base = baseline(p)
+    base_tm = timed(p, base)
+    base_peak = peak_memory(p, base.decision, base_tm)[0]
+    need, op = memory_lower_bound(p)
+    if cap_bytes < need:
+        raise CapTooSmall(f"the cap {fmt_bytes(cap_bytes)} is below the {fmt_bytes(need)} any schedule needs "
+                          f"(resident {fmt_bytes(p.resident_bytes)}, plus what op {op} reads, writes and its "
+                          f"leanest workspace); minimum cap: {need} bytes", need)
+    hint = best_heuristic(p, cap_bytes, options.streams)
+    horizon = hint.makespan(p) if hint else _loose_horizon(p)
+    bounds = lower_bounds_us(p, options.streams)
+    tick = p.tick_us
+
+    def progress(makespan_ticks: int, bound_ticks: int, elapsed_s: float) -> None:
+        if on_progress:
+            on_progress(makespan_ticks * tick, max(bound_ticks * tick, *bounds.values()), elapsed_s)
+
+    result = cpsat.solve(p, cap_bytes, options.streams, horizon, options.time_limit_s, options.workers,
+                         options.seed, hint, progress)
+    schedule, status = result.schedule, result.status
+    if schedule is None or (hint is not None and hint.makespan(p) < schedule.makespan(p)):
+        if hint is None:
+            raise _cap_too_small(p, cap_bytes, options, result.status)
+        schedule, status = hint, f"heuristic (CP-SAT: {result.status})"
+    bounds["solver"] = result.bound_ticks * tick
+    totals = Totals(makespan_us=0.0, peak_bytes=0, mem_cap_bytes=cap_bytes, lower_bound_us=max(bounds.values()),
+                    bounds_us=bounds, solver_makespan_us=schedule.makespan(p) * tick,
+                    baseline_makespan_us=sum(o.alternatives[a].time_us for o, a in zip(p.ops, base.alt)),
+                    baseline_peak_bytes=base_peak, status=status, gap=0.0, solve_time_s=result.wall_s)
+    return build_plan(graph, p, schedule, totals, options.streams)
+
+
+def best_heuristic(p: Problem, cap_bytes: int, streams: int) -> Schedule | None:
+    """The shortest of the greedy serial schedule and its multi-stream list schedules that fits the cap."""
+    greedy, greedy_peak = greedy_serial(p, cap_bytes)
+    if greedy_peak > cap_bytes:
+        return None
+    best = greedy
+    for slack in LIST_SLACKS:
+        parallel = list_schedule(p, greedy, streams, slack)
+        if parallel is not None and parallel.makespan(p) < best.makespan(p):
+            if peak_memory(p, parallel.decision, timed(p, parallel))[0] <= cap_bytes:
+                best = parallel
+    return best
+
+
+def _loose_horizon(p: Problem) -> int:
+    """Every op, copy and recomputation one after another at its slowest: no optimal schedule is longer."""
+    total = sum(max(a.duration for a in o.alternatives) for o in p.ops)
+    total += sum(t.d2h_ticks + t.h2d_ticks + (t.recompute.duration if t.recompute else 0) for t in p.tensors)
+    return total
+
+
+def _cap_too_small(p: Problem, cap_bytes: int, options: Options, status: str) -> CapTooSmall:
+    """CP-SAT found no schedule under the cap: find the smallest peak any schedule reaches, the cap that works."""
+    big = max(p.device.memory_bytes, cap_bytes * 4)
+    r = cpsat.solve(p, big, options.streams, _loose_horizon(p), options.time_limit_s, options.workers, options.seed,
+                    hint=baseline(p), minimize_memory=True)
+    if r.status == "OPTIMAL":
+        what = f"minimum cap: {r.peak_bytes} bytes ({fmt_bytes(r.peak_bytes)})"
+    elif r.status == "FEASIBLE":
+        what = (f"a cap of {r.peak_bytes} bytes ({fmt_bytes(r.peak_bytes)}) works; none below "
+                f"{fmt_bytes(r.bound_ticks)} can")
+    else:
+        what = "no schedule found at any cap within the time limit"
+    verdict = "no schedule fits" if status == "INFEASIBLE" else f"no schedule found in the time limit ({status})"
+    return CapTooSmall(f"{verdict} under the cap {fmt_bytes(cap_bytes)}; {what}", r.peak_bytes or r.bound_ticks)

@@ -1,0 +1,282 @@
+"""Every GPU op kind (runner/ops) against the float64 reference, forward and backward, fp32 and fp16: each
+candidate runs eagerly and again from a captured CUDA graph, on NHWC tensors, in place where the IR updates in
+place; then the profiler measures a small training graph with every kind measured. Skipped without a GPU."""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from planner.onnx_import import import_onnx
+from planner.ops import KINDS
+from planner.reference import KERNELS as REFERENCE
+from planner.training import build_training
+
+TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2}  # relative L2 error
+X = (2, 6, 9, 7)  # N, C, H, W all different, so a layout mix-up shows
+POOL_X = (2, 6, 10, 8)
+
+
+def _pool(kind, kernel, strides, pads, ceil_mode=0, dilations=(1, 1), count_include_pad=0, x=POOL_X):
+    attrs = {"kernel": list(kernel), "strides": list(strides), "pads": list(pads), "ceil_mode": ceil_mode}
+    if kind == "max":
+        attrs["dilations"] = list(dilations)
+    else:
+        attrs["count_include_pad"] = count_include_pad
+    return attrs, x
+
+
+def _pool_cases():
+    geometries = [
+        _pool("max", (3, 3), (2, 2), (0, 0, 0, 0), ceil_mode=1),
+        _pool("max", (3, 3), (1, 1), (1, 1, 1, 1)),
+        _pool("max", (3, 3), (1, 2), (0, 1, 1, 0), dilations=(2, 2)),
+        _pool("max", (2, 2), (2, 2), (0, 0, 0, 0), ceil_mode=1, x=(2, 6, 9, 7)),
+        _pool("avg", (3, 3), (1, 1), (1, 1, 1, 1)),
+        _pool("avg", (3, 3), (1, 1), (1, 1, 1, 1), count_include_pad=1),
+        _pool("avg", (3, 3), (2, 2), (1, 1, 1, 1), ceil_mode=1, count_include_pad=1, x=(2, 6, 10, 9)),
+        _pool("avg", (2, 2), (2, 2), (0, 0, 0, 0)),
+    ]
+    cases = []
+    for attrs, x in geometries:
+        kind = "maxpool" if "dilations" in attrs else "avgpool"
+        y = REFERENCE[kind]([np.zeros(x)], attrs)[0].shape
+        cases.append((kind, attrs, [x]))
+        if kind == "maxpool":
+            cases.append(("maxpool_bwd", attrs, [x, y]))
+        else:
+            cases.append(("avgpool_bwd", {**attrs, "x_shape": list(x)}, [y]))
+    return cases
+
+
+BN = {"epsilon": 1e-3, "momentum": 0.9}
+LRN = {"size": 5, "alpha": 0.5, "beta": 0.75, "bias": 2.0}
+CONV = {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1], "groups": 1}
+CONV_S2 = {"strides": [2, 2], "pads": [0, 1, 1, 0], "dilations": [1, 1], "groups": 1}
+
+# (kind, attrs, input shapes); input dtypes from DTYPES_IN ("x" is the case's activation dtype)
+CASES = [
+    ("relu", {}, [X]), ("relu_bwd", {}, [X, X]),
+    ("clip", {"min": 0.0, "max": 0.5}, [X]), ("clip_bwd", {"min": 0.0, "max": 0.5}, [X, X]),
+    ("clip", {"min": float("-inf"), "max": 0.3}, [(4, 50)]),
+    ("sigmoid", {}, [X]), ("sigmoid_bwd", {}, [X, X]),
+    ("add", {}, [X, X]), ("add", {}, [X, (1, 6, 1, 1)]), ("add", {}, [(6, 1, 1), X]), ("add", {}, [(3, 5), (5,)]),
+    ("mul", {}, [X, (2, 6, 1, 1)]), ("mul", {}, [X, X]), ("mul", {}, [(4, 1), (1, 7)]),
+    ("sum", {}, [X, X, X]), ("sum", {}, [X] * 11),
+    ("dropout", {"ratio": 0.3, "seed": 5}, [X]), ("dropout", {"ratio": 0.5, "seed": 7}, [(4, 50)]),
+    ("dropout_bwd", {"ratio": 0.3}, [X, X]),
+    ("concat", {"axis": 1}, [(2, 3, 5, 4), (2, 5, 5, 4), (2, 8, 5, 4)]),
+    ("concat", {"axis": 1}, [(2, 8, 5, 4), (2, 16, 5, 4)]),
+    ("concat", {"axis": 1}, [(3, 4), (3, 6)]), ("concat", {"axis": 2}, [(2, 3, 5, 4), (2, 3, 2, 4)]),
+    ("slice", {"axis": 1, "start": 3, "end": 8}, [(2, 16, 5, 4)]),
+    ("slice", {"axis": 1, "start": 8, "end": 16}, [(2, 16, 5, 4)]),
+    ("bias_grad", {"axis": 1}, [X]), ("bias_grad", {"axis": 1}, [(4, 10)]),
+    ("bias_grad", {"axis": 1}, [(8, 32, 28, 28)]),
+    ("reduce_to_shape", {"shape": [1, 6, 1, 1]}, [X]), ("reduce_to_shape", {"shape": [6, 1, 1]}, [X]),
+    ("reduce_to_shape", {"shape": [2, 6, 1, 1]}, [X]), ("reduce_to_shape", {"shape": [1]}, [X]),
+    ("reduce_to_shape", {"shape": [1, 6, 9, 1]}, [X]), ("reduce_to_shape", {"shape": [10]}, [(4, 10)]),
+    ("reduce_to_shape", {"shape": [4, 1]}, [(4, 10)]),
+    *_pool_cases(),
+    ("globalavgpool", {}, [X]), ("globalavgpool", {}, [(2, 16, 56, 56)]), ("globalavgpool", {}, [(8, 64, 7, 7)]),
+    ("globalavgpool_bwd", {"x_shape": list(X)}, [(2, 6, 1, 1)]),
+    ("gemm", {"transA": 0, "transB": 1, "alpha": 1.0, "beta": 1.0}, [(4, 20), (10, 20), (10,)]),
+    ("gemm", {"transA": 1, "transB": 0, "alpha": 0.5, "beta": 2.0}, [(20, 4), (20, 10), (4, 10)]),
+    ("gemm", {"transA": 0, "transB": 0, "alpha": 1.0, "beta": 0.0}, [(32, 1024), (1024, 100)]),
+    ("matmul", {}, [(4, 20), (20, 10)]), ("matmul", {}, [(3, 4, 5), (5, 6)]),
+    ("softmax", {"axis": 1}, [(4, 37)]), ("softmax", {"axis": 3}, [(2, 6, 5, 9)]), ("softmax", {"axis": 1}, [(3, 1000)]),
+    ("softmax_bwd", {"axis": 1}, [(4, 37), (4, 37)]), ("softmax_bwd", {"axis": 3}, [(2, 6, 5, 9), (2, 6, 5, 9)]),
+    ("softmax_xent", {}, [(8, 1000), (8,)]), ("softmax_xent", {}, [(5, 10), (5,)]),
+    ("softmax_xent_bwd", {}, [(8, 1000), (8,)]),
+    ("batchnorm", {**BN, "training": False}, [X, (6,), (6,), (6,), (6,)]),
+    ("batchnorm", {**BN, "training": True}, [X, (6,), (6,), (6,), (6,)]),
+    ("batchnorm", {**BN, "training": True}, [(8, 32, 14, 14), (32,), (32,), (32,), (32,)]),
+    ("batchnorm", {**BN, "training": True}, [(16, 6), (6,), (6,), (6,), (6,)]),
+    ("batchnorm_bwd", {"epsilon": 1e-3}, [X, X, (6,), (6,), (6,)]),
+    ("batchnorm_bwd", {"epsilon": 1e-3}, [(8, 32, 14, 14), (8, 32, 14, 14), (32,), (32,), (32,)]),
+    ("lrn", LRN, [X]), ("lrn", {**LRN, "size": 4}, [X]), ("lrn_bwd", LRN, [X, X]), ("lrn_bwd", {**LRN, "size": 4}, [X, X]),
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}, [(6, 4, 3, 3)] * 3),
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}, [(6,)] * 3),
+    ("conv", CONV, [(2, 4, 9, 7), (6, 4, 3, 3)]), ("conv", CONV_S2, [(2, 4, 9, 7), (6, 4, 3, 3), (6,)]),
+    ("conv_bwd_data", {**CONV, "x_shape": [2, 4, 9, 7]}, [(2, 6, 9, 7), (6, 4, 3, 3)]),
+    ("conv_bwd_filter", {**CONV, "w_shape": [6, 4, 3, 3]}, [(2, 4, 9, 7), (2, 6, 9, 7)]),
+]
+DTYPES_IN = {"batchnorm": "xffff", "batchnorm_bwd": "xxfff", "softmax_xent": "xi", "softmax_xent_bwd": "fi",
+             "dropout_bwd": "xu"}
+DTYPES_OUT = {"batchnorm": "xffff", "batchnorm_bwd": "xff", "softmax_xent": "ff", "dropout": "xu"}
+IN_PLACE = {"sgd": {0: 0, 1: 2}, "batchnorm": {1: 3, 2: 4}}
+CODES = {"f": "fp32", "i": "int64", "u": "uint8"}
+
+
+def _dtypes(codes: str, n: int, dtype: str) -> list[str]:
+    return [dtype if c == "x" else CODES[c] for c in (codes or "x" * n)]
+
+
+@pytest.fixture(scope="module")
+def gpu_ctx():
+    from runner.gpu import gpu
+
+    g = gpu()
+    handle = g.cudnn.create_handle()
+    stream = g.cp.cuda.Stream(non_blocking=True)
+    g.cudnn.set_stream(handle=handle, stream=stream.ptr)
+    return g.cp, handle, stream
+
+
+def _check(outputs, want, specs, dtype, what):
+    from runner.gpu import gpu
+
+    cp = gpu().cp
+    assert len(outputs) == len(want)
+    for j, (arr, expected, s) in enumerate(zip(outputs, want, specs)):
+        got = cp.asnumpy(arr)
+        assert got.shape == np.shape(expected), (what, j)
+        if s.dtype in ("int64", "uint8"):
+            assert np.array_equal(got, expected), (what, j)
+            continue
+        expected = np.asarray(expected, dtype=np.float64)
+        err = np.linalg.norm(got.astype(np.float64) - expected) / max(np.linalg.norm(expected), 1e-30)
+        assert err <= TOLERANCE[dtype], (what, j, err)
+
+
+def run_case(ctx, kind, attrs, shapes, dtype, in_place=None):
+    """Every candidate of one op against the reference: eagerly, then replayed from a captured CUDA graph."""
+    from runner.ops import OPS, host_inputs
+    from runner.ops.common import device_empty, spec, to_device
+
+    cp, handle, stream = ctx
+    in_specs = [spec(s, d) for s, d in zip(shapes, _dtypes(DTYPES_IN.get(kind), len(shapes), dtype))]
+    if kind == "sgd" and len(shapes[0]) == 1:
+        in_specs = [spec(s.shape, "fp32") for s in in_specs]
+    hosts = host_inputs(kind, in_specs, np.random.default_rng(0))
+    want = REFERENCE[kind]([h.astype(np.float64) if h.dtype.kind == "f" else h for h in hosts], attrs)
+    out_dtypes = _dtypes(DTYPES_OUT.get(kind) if attrs.get("training", True) else None, len(want), in_specs[0].dtype)
+    out_specs = [spec(np.shape(w), d) for w, d in zip(want, out_dtypes)]
+    in_place = IN_PLACE.get(kind, {}) if in_place is None else in_place
+    if kind == "batchnorm" and not attrs["training"]:
+        in_place = {}
+    op = OPS[kind](attrs, in_specs, out_specs, handle)
+    assert op.candidates, op.unsupported
+    for index, (name, workspace_bytes) in enumerate(op.candidates):
+        inputs = [to_device(h, s) for h, s in zip(hosts, in_specs)]
+        outputs = [inputs[in_place[j]] if j in in_place else device_empty(s) for j, s in enumerate(out_specs)]
+        workspace = cp.full(max(workspace_bytes, 1), 0xFF, cp.uint8)  # garbage: kernels must not expect zeros
+
+        def reset():
+            for j, s in enumerate(out_specs):
+                if j not in in_place:
+                    outputs[j].fill(np.nan if s.dtype.startswith("fp") else 2)
+            for j in in_place.values():
+                inputs[j][...] = cp.asarray(hosts[j])
+
+        with stream:
+            reset()
+            op.launch(index, inputs, outputs, workspace)
+            stream.synchronize()
+            _check(outputs, want, out_specs, dtype, (kind, name, "eager"))
+            reset()
+            stream.begin_capture()
+            op.launch(index, inputs, outputs, workspace)
+            graph = stream.end_capture()
+            reset()
+            graph.launch(stream)
+            stream.synchronize()
+            _check(outputs, want, out_specs, dtype, (kind, name, "graph"))
+    return op
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("kind,attrs,shapes", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_op_matches_reference(gpu_ctx, kind, attrs, shapes, dtype):
+    run_case(gpu_ctx, kind, attrs, shapes, dtype)
+
+
+def test_every_kind_is_covered():
+    """Runs without a GPU: the registry imports without CuPy and these cases exercise all of it."""
+    from runner.ops import OPS
+
+    assert {c[0] for c in CASES} == set(OPS) == {k for k, v in KINDS.items() if not v.view}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["sgd", "batchnorm"])
+def test_in_place_kinds_also_write_separate_outputs(gpu_ctx, kind):
+    case = next(c for c in CASES if c[0] == kind and c[1].get("training", True))
+    run_case(gpu_ctx, *case, "fp32", in_place={})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_batchnorm_offers_cupy_and_cudnn(gpu_ctx, dtype):
+    for kind, attrs, shapes in [c for c in CASES if c[0] in ("batchnorm", "batchnorm_bwd") and c[2][0][1] == 32]:
+        op = run_case(gpu_ctx, kind, attrs, shapes, dtype)
+        names = [n for n, _ in op.candidates]
+        assert names[0] == "cupy_reduce" and any(n.startswith("cudnn:") for n in names), (names, op.unsupported)
+
+
+def _small_training_model(tmp_path: Path) -> Path:
+    """Conv/BN/ReLU stem, ceil-mode max pool, a residual Add, a ReLU6 branch, LRN, average pool, an SE-style
+    Sigmoid/Mul, channel Concat, global pool, Flatten, Dropout and a biased Gemm."""
+    rng = np.random.default_rng(0)
+    inits, nodes = [], []
+
+    def param(name, shape):
+        inits.append(numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name))
+        return name
+
+    def conv_bn(name, x, cin, cout, k, act="Relu"):
+        nodes.append(helper.make_node("Conv", [x, param(name + ".w", (cout, cin, k, k))], [name], pads=[k // 2] * 4))
+        bn = [param(f"{name}.{p}", (cout,)) for p in ("s", "b", "m", "v")]
+        nodes.append(helper.make_node("BatchNormalization", [name] + bn, [name + ".bn"], training_mode=1))
+        if act == "Clip":
+            nodes.append(helper.make_node("Clip", [name + ".bn", "zero", "six"], [name + ".a"]))
+        else:
+            nodes.append(helper.make_node(act, [name + ".bn"], [name + ".a"]))
+        return name + ".a"
+
+    inits += [numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+              numpy_helper.from_array(np.array(6.0, np.float32), "six")]
+    stem = conv_bn("stem", "x", 3, 16, 3)
+    nodes.append(helper.make_node("MaxPool", [stem], ["pool"], kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1))
+    res = conv_bn("res", "pool", 16, 16, 3)
+    nodes.append(helper.make_node("Add", ["pool", res], ["sum"]))
+    six = conv_bn("six", "sum", 16, 8, 1, act="Clip")
+    nodes.append(helper.make_node("LRN", ["sum"], ["lrn"], size=5, alpha=1e-2, beta=0.75, bias=1.0))
+    nodes.append(helper.make_node("AveragePool", ["lrn"], ["avg"], kernel_shape=[3, 3], pads=[1] * 4))
+    nodes.append(helper.make_node("GlobalAveragePool", ["avg"], ["se.g"]))
+    nodes.append(helper.make_node("Conv", ["se.g", param("se.w", (16, 16, 1, 1)), param("se.b", (16,))], ["se.c"]))
+    nodes.append(helper.make_node("Sigmoid", ["se.c"], ["se.s"]))
+    nodes.append(helper.make_node("Mul", ["avg", "se.s"], ["se"]))
+    nodes.append(helper.make_node("Concat", [six, "se"], ["cat"], axis=1))
+    nodes.append(helper.make_node("GlobalAveragePool", ["cat"], ["gap"]))
+    nodes.append(helper.make_node("Flatten", ["gap"], ["flat"]))
+    nodes.append(helper.make_node("Dropout", ["flat", "ratio", "train"], ["drop", "mask"]))
+    inits += [numpy_helper.from_array(np.array(0.2, np.float32), "ratio"),
+              numpy_helper.from_array(np.array(True), "train")]
+    nodes.append(helper.make_node("Gemm", ["drop", param("fc.w", (10, 24)), param("fc.b", (10,))], ["y"], transB=1))
+    g = helper.make_graph(nodes, "small", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    path = tmp_path / "small.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_profiler_measures_every_kind_of_a_training_graph(tmp_path, dtype):
+    from runner.profiler import measure_ops, probe_device
+
+    graph = build_training(import_onnx(_small_training_model(tmp_path), batch=4, dtype=dtype, training=True))
+    nodes = [n for n in {n.signature: n for n in graph.nodes}.values() if not KINDS[n.kind].view]
+    kinds = {n.kind for n in nodes}
+    assert {"batchnorm", "batchnorm_bwd", "maxpool_bwd", "avgpool_bwd", "lrn_bwd", "clip_bwd", "sigmoid_bwd",
+            "dropout", "dropout_bwd", "slice", "sum", "reduce_to_shape", "bias_grad", "gemm", "sgd",
+            "softmax_xent", "softmax_xent_bwd", "globalavgpool_bwd", "mul", "add"} <= kinds
+    profiles = list(measure_ops(graph, nodes, probe_device()))
+    assert len(profiles) == len(nodes)
+    for prof in profiles:
+        assert not prof.estimated and prof.candidates, (prof.kind, prof.describe, prof.unsupported)
+        for c in prof.candidates:
+            assert 0.5 < c.time_us < 50_000 and c.kernels, (prof.kind, c.name)

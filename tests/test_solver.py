@@ -1,0 +1,190 @@
+"""The solver: optimal on tiny DAGs (brute force), every plan passes the independent check, caps and exit 3."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from planner import cpsat
+from planner.analytic import estimate_profile
+from planner.check import check_plan
+from planner.cli import app
+from planner.devices import load_device
+from planner.files import PlannerError
+from planner.ir import Graph
+from planner.memsize import parse_size, parse_sizes
+from planner.onnx_import import import_onnx
+from planner.problem import Alternative, Op, Problem, TensorUse
+from planner.solve import CapTooSmall, Options, best_heuristic, solve_plan
+from planner.stats import serial_peak_bytes
+from planner.streams import build_plan
+from planner.training import build_training
+from planner.plan import Totals
+
+MODELS = Path(__file__).parent / "models"
+H100 = load_device("h100")
+EMPTY = Graph(model_name="tiny", source_sha256="0", batch=1, dtype="fp32", training=False, inputs=[], outputs=[],
+              nodes=[], tensors={})
+
+
+def random_problem(rng: random.Random, n_ops: int, n_alts: int, training: bool = False) -> Problem:
+    """A random DAG in topological order; op i writes tensor i; in training mode the second half are
+    'backward' ops that read forward tensors again, which may then be offloaded or recomputed."""
+    ops = []
+    for i in range(n_ops):
+        alts = [Alternative(f"a{k}", t := rng.randint(1, 9), t, rng.choice([0, 0, 100, 400]), rng.randint(10, 100))
+                for k in range(n_alts)]
+        preds = sorted(rng.sample(range(i), k=min(i, rng.randint(0, 2))))
+        ops.append(Op(f"op{i}", "relu", "backward" if training and i >= n_ops // 2 else "forward", alts, preds))
+    tensors = []
+    for i, op in enumerate(ops):
+        readers = [j for j in range(i + 1, n_ops) if i in ops[j].preds]
+        tensors.append(TensorUse(f"t{i}", rng.randint(100, 1000), i, readers, [], is_output=not readers))
+        for j in readers:
+            ops[j].reads.append(i)
+        op.writes.append(i)
+    p = Problem("tiny", training, ops, tensors, resident_bytes=50, tick_us=1.0, device=H100, estimated=True)
+    for t in tensors:
+        late = [c for c in t.early if ops[c].phase == "backward"]
+        if training and ops[t.producer].phase == "forward" and late and len(late) < len(t.early) + 1:
+            t.early, t.late = [c for c in t.early if c not in late], late
+            t.can_offload = True
+            t.d2h_ticks = t.h2d_ticks = 2
+            t.d2h_us = t.h2d_us = 2.0
+            if all(r in range(n_ops) for r in ops[t.producer].reads):
+                t.can_recompute = True
+                t.recompute = ops[t.producer].alternatives[0]
+                t.recompute_chain, t.recompute_reads = [t.producer], list(ops[t.producer].reads)
+    return p
+
+
+def brute_force_makespan(p: Problem, streams: int) -> int:
+    """Optimal makespan with SM share and stream count (memory ample): every alternative per op and every
+    activity list, each scheduled by the serial schedule-generation scheme (active schedules hold an optimum)."""
+    best = 1 << 60
+    orders = [order for order in itertools.permutations(range(len(p.ops)))
+              if all(order.index(a) < order.index(b) for b, op in enumerate(p.ops) for a in op.preds)]
+    for alt in itertools.product(*(range(len(o.alternatives)) for o in p.ops)):
+        for order in orders:
+            placed: list[tuple[int, int, int]] = []  # (start, end, sm)
+            end = [0] * len(p.ops)
+            for i in order:
+                a = p.ops[i].alternatives[alt[i]]
+                earliest = max((end[j] for j in p.ops[i].preds), default=0)
+                for t in sorted({earliest, *(e for _, e, _ in placed if e >= earliest)}):
+                    over = [(s, e, sm) for s, e, sm in placed if s < t + a.duration and t < e]
+                    points = {t, *(s for s, _, _ in over if s > t)}
+                    if all(sum(sm for s, e, sm in over if s <= x < e) + a.sm_demand <= 100
+                           and sum(1 for s, e, _ in over if s <= x < e) < streams for x in points):
+                        break
+                placed.append((t, t + a.duration, a.sm_demand))
+                end[i] = t + a.duration
+            best = min(best, max(end))
+    return best
+
+
+def solve_tiny(p: Problem, cap: int, streams: int):
+    hint = best_heuristic(p, cap, streams)
+    horizon = hint.makespan(p) if hint else sum(max(a.duration for a in o.alternatives) + 10 for o in p.ops)
+    return cpsat.solve(p, cap, streams, horizon, time_limit_s=10, workers=2, hint=hint)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_optimal_on_tiny_dags_against_brute_force(seed):
+    rng = random.Random(seed)
+    p = random_problem(rng, n_ops=5 if seed % 2 else 4, n_alts=3)
+    streams = rng.choice([1, 2, 3])
+    result = solve_tiny(p, 1 << 40, streams)
+    assert result.status == "OPTIMAL"
+    assert result.schedule.makespan(p) == brute_force_makespan(p, streams)
+
+
+def test_six_ops_against_brute_force():
+    p = random_problem(random.Random(42), n_ops=6, n_alts=2)
+    result = solve_tiny(p, 1 << 40, 2)
+    assert result.schedule.makespan(p) == brute_force_makespan(p, 2)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_plans_pass_the_independent_check(seed):
+    rng = random.Random(100 + seed)
+    p = random_problem(rng, n_ops=rng.randint(6, 12), n_alts=rng.randint(1, 3), training=bool(seed % 2))
+    free = solve_tiny(p, 1 << 40, 4).schedule
+    from planner.schedule import peak_memory, timed
+    uncapped_peak = peak_memory(p, {}, timed(p, free))[0]
+    cap = max(int(uncapped_peak * rng.uniform(0.6, 1.0)), 1)
+    result = solve_tiny(p, cap, rng.randint(1, 4))
+    if result.schedule is None:  # no plan is claimed; below the heuristic's reach CP-SAT may not decide in time
+        assert result.status in ("INFEASIBLE", "UNKNOWN")
+        return
+    totals = Totals(makespan_us=0, peak_bytes=0, mem_cap_bytes=cap, lower_bound_us=0, baseline_makespan_us=1,
+                    status=result.status, gap=0, solve_time_s=0)
+    plan = build_plan(EMPTY, p, result.schedule, totals, 4)
+    report = check_plan(plan)
+    assert report.ok, report.violations
+    assert plan.totals.peak_bytes <= cap
+    assert plan.totals.makespan_us <= result.schedule.makespan(p) * p.tick_us + 1e-6
+
+
+def test_minimum_cap_is_the_smallest_that_works():
+    p = random_problem(random.Random(7), n_ops=8, n_alts=2, training=True)
+    from planner.solve import _cap_too_small
+    minimum = _cap_too_small(p, 1, Options(time_limit_s=10, workers=2), "INFEASIBLE").minimum_bytes
+    assert solve_tiny(p, minimum, 4).schedule is not None
+    assert solve_tiny(p, minimum - 1, 4).status == "INFEASIBLE"
+
+
+@pytest.fixture(scope="module")
+def googlenet_train_b1():
+    return build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=1, dtype="fp16", training=True))
+
+
+def test_googlenet_inference_beats_serial_and_checks():
+    g = import_onnx(MODELS / "googlenet.onnx", batch=1, dtype="fp16")
+    plan = solve_plan(g, estimate_profile(g, H100), H100.memory_bytes, Options(time_limit_s=5, workers=2))
+    t = plan.totals
+    assert t.makespan_us < t.baseline_makespan_us and t.lower_bound_us <= t.makespan_us * 1.001
+    assert plan.estimated and check_plan(plan).ok
+
+
+def test_training_under_a_cap_offloads_or_recomputes_and_checks(googlenet_train_b1):
+    g = googlenet_train_b1
+    prof = estimate_profile(g, H100)
+    resident = solve_plan(g, prof, H100.memory_bytes, Options(time_limit_s=1, workers=2)).totals.resident_bytes
+    cap = resident + int((serial_peak_bytes(g) - resident) * 0.9)
+    plan = solve_plan(g, prof, cap, Options(time_limit_s=5, workers=2))
+    assert plan.totals.peak_bytes <= cap
+    assert plan.totals.offloaded_bytes + plan.totals.recomputed_bytes > 0
+    assert check_plan(plan).ok
+
+
+def test_cap_below_any_schedule_exits_3_with_the_minimum(tmp_path):
+    result = CliRunner().invoke(app, ["solve", str(MODELS / "googlenet.onnx"), "--mem", "1MB", "--analytic", "h100",
+                                      "-o", str(tmp_path / "p.json")])
+    assert isinstance(result.exception, CapTooSmall) and result.exception.exit_code == 3
+    assert "minimum cap" in str(result.exception) and not (tmp_path / "p.json").exists()
+
+
+def test_check_catches_a_broken_plan(googlenet_train_b1, tmp_path):
+    g = import_onnx(MODELS / "googlenet.onnx", batch=1, dtype="fp16")
+    plan = solve_plan(g, estimate_profile(g, H100), H100.memory_bytes, Options(time_limit_s=2, workers=2))
+    waited = next(op for op in plan.ops if op.wait_events)
+    waited.wait_events = []
+    plan.totals.mem_cap_bytes = plan.totals.peak_bytes - 1
+    violations = check_plan(plan).violations
+    assert any("exceeds the cap" in v for v in violations)
+
+
+def test_memory_sizes():
+    assert parse_size("11GB") == 11 * 10**9 and parse_size("512 MiB") == 512 * 2**20 and parse_size("3e9") == 3 * 10**9
+    assert parse_size("40%", device_bytes=1000) == 400
+    assert parse_sizes("2GB,4GB") == [2 * 10**9, 4 * 10**9]
+    for bad in ("lots", "-1GB", "0", "120%"):
+        with pytest.raises(PlannerError):
+            parse_size(bad, device_bytes=1000)
+    with pytest.raises(PlannerError):
+        parse_size("10%")
