@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from planner.files import PlannerError, save_model
+from planner.memsize import fmt_bytes
 
 app = typer.Typer(
     add_completion=False,
@@ -49,14 +50,6 @@ def load_graph(model: Path, batch: int, dtype: DType, train: bool):
         return load_model(Graph, model)
     graph = import_onnx(model, batch=batch, dtype=dtype.value, training=train)
     return build_training(graph) if train else graph
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 ModelArg = typer.Argument(..., help="ONNX model file", exists=False)

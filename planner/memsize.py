@@ -35,3 +35,12 @@ def parse_sizes(text: str, device_bytes: int | None = None) -> list[int]:
     if not parts:
         raise PlannerError("--mem needs a size")
     return [parse_size(p, device_bytes) for p in parts]
+
+
+def fmt_bytes(n: float) -> str:
+    """1.50 GiB, 12.00 MiB, 512 B: binary units, as people read memory."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)

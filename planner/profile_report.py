@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from rich.console import Console
 from rich.table import Table
 
+from planner.memsize import fmt_bytes
 from planner.profile import OpProfile, Profile
 
 SHOW_TRADEOFFS = 15
@@ -96,14 +97,6 @@ def summary_json(profile: Profile) -> dict:
     }
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _range(lo, hi, fmt=str) -> str:
     return fmt(lo) if lo == hi else f"{fmt(lo)} – {fmt(hi)}"
 
@@ -121,7 +114,7 @@ def print_summary(profile: Profile, console: Console, as_json: bool = False) -> 
     for r in summary_rows(profile):
         table.add_row(r.kind, str(r.ops), _range(r.candidates_min, r.candidates_max), f"{r.fastest_total_us:.1f} us",
                       f"×{r.spread_median:.2f}, ×{r.spread_max:.2f}",
-                      _range(r.workspace_min_bytes, r.workspace_max_bytes, _bytes), str(r.fastest_not_leanest))
+                      _range(r.workspace_min_bytes, r.workspace_max_bytes, fmt_bytes), str(r.fastest_not_leanest))
     console.print(table)
     found = tradeoffs(profile)
     if not found:
@@ -131,8 +124,8 @@ def print_summary(profile: Profile, console: Console, as_json: bool = False) -> 
     table = Table("op", "fastest", "workspace", "leanest", "workspace", "saves",
                   title=f"ops where the fastest candidate is not the leanest{more}", title_justify="left")
     for t in found[:SHOW_TRADEOFFS]:
-        saved = _bytes(t.fastest_workspace_bytes - t.leanest_workspace_bytes)
-        table.add_row(t.describe or t.signature, f"{t.fastest} {t.fastest_us:.1f} us", _bytes(t.fastest_workspace_bytes),
-                      f"{t.leanest} {t.leanest_us:.1f} us", _bytes(t.leanest_workspace_bytes),
+        saved = fmt_bytes(t.fastest_workspace_bytes - t.leanest_workspace_bytes)
+        table.add_row(t.describe or t.signature, f"{t.fastest} {t.fastest_us:.1f} us", fmt_bytes(t.fastest_workspace_bytes),
+                      f"{t.leanest} {t.leanest_us:.1f} us", fmt_bytes(t.leanest_workspace_bytes),
                       f"{saved} for +{t.leanest_us - t.fastest_us:.1f} us")
     console.print(table)

@@ -11,6 +11,7 @@ from typing import Callable
 
 from planner import cpsat
 from planner.files import PlannerError
+from planner.memsize import fmt_bytes
 from planner.heuristic import baseline, greedy_serial, list_schedule
 from planner.ir import Graph
 from planner.plan import Plan, Totals
@@ -65,14 +66,6 @@ def memory_lower_bound(p: Problem) -> tuple[int, str]:
         if need > best:
             best, where = need, o.name
     return best, where
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options = Options(),
