@@ -6,13 +6,14 @@ are built from our IR and any imported model can be compared.
 
 from __future__ import annotations
 
-import inspect
 import pprint
+from pathlib import Path
 
-from planner import torch_template
 from planner.files import PlannerError
 from planner.ir import Graph
 from planner.plan import Plan
+
+TEMPLATE = Path(__file__).with_name("torch_template.py")  # read as text: writing the module needs no torch
 
 
 def forward_graph_dict(graph: Graph) -> dict:
@@ -74,7 +75,7 @@ def torch_module_source(graph: Graph, plan: Plan | None = None) -> str:
     """Python source of the standalone module."""
     if plan is not None and plan.graph_sha256 != graph.graph_sha256:
         raise PlannerError("the plan was made for another model graph")
-    source = inspect.getsource(torch_template)
+    source = TEMPLATE.read_text()
     title = (f"{graph.model_name}: batch {graph.batch}, {graph.dtype}, "
              f"{'training' if graph.training else 'inference'}"
              + (f", plan predicted {plan.totals.makespan_us / 1000:.3f} ms on {plan.device_fingerprint}"

@@ -135,11 +135,13 @@ class ProfileStore:
         return len(profile.ops)
 
     def missing(self, graph: Graph) -> list[str]:
-        """Signatures of the graph's ops not stored yet (views need no measurement), in graph order."""
+        """Signatures of the graph's ops not stored yet (views need no measurement), in graph order. In a measured
+        store, an entry that fell back to an estimate counts as missing: a newer runner may measure it."""
         stored = self.entries()
         out: dict[str, None] = {}
         for n in graph.nodes:
-            if not KINDS[n.kind].view and n.signature not in stored:
+            entry = stored.get(n.signature)
+            if not KINDS[n.kind].view and (entry is None or (entry.estimated and not self.estimated)):
                 out.setdefault(n.signature)
         return list(out)
 
@@ -200,6 +202,9 @@ def measured_profile_for(graph: Graph, directory: str | os.PathLike) -> Profile 
         except (OSError, ValueError, KeyError, ValidationError):
             continue
         store = ProfileStore(directory, device)
-        if store.path == path and not store.missing(graph):
-            return store.assemble(graph)
+        if store.path == path:
+            try:
+                return store.assemble(graph)
+            except PlannerError:
+                continue
     return None

@@ -1,4 +1,5 @@
-"""Measure every candidate of every op on the GPU: time by CUDA-graph replay, output checked once.
+"""Measure every candidate of every op on the GPU (one registry, runner/ops, for every kind): time by CUDA-graph
+replay, output checked once against the float64 reference at the profiled shape.
 
 Timing: R launches of a candidate (inputs rotated over several random sets, so caches do not flatter) are
 captured once as a CUDA graph; the graph is replayed and the median over replays, divided by R, is the time.
@@ -15,11 +16,13 @@ import numpy as np
 from planner.analytic import estimate_ops
 from planner.ir import Graph, Node
 from planner.occupancy import candidate_sm_fraction, dram_fraction, kernel_blocks_per_sm
+from planner.ops import KINDS
 from planner.profile import Candidate, DeviceInfo, OpProfile, Unsupported, describe_op, prune_candidates
 from planner.reference import KERNELS as REFERENCE
 from runner.cupti_trace import record_kernels
-from runner.gpu import cupy_dtype, gpu, nhwc_empty
-from runner.ops.conv import CONV_KINDS, ConvOp
+from runner.gpu import gpu
+from runner.ops import TensorSpec, build_op, host_inputs, in_place, specs_of
+from runner.ops.common import device_empty, to_device
 
 LAUNCHES_PER_GRAPH = 10
 REPLAYS = 10
@@ -35,9 +38,11 @@ def replay_time_us(launch, stream, reps: int = REPLAYS) -> float:
     with stream:
         launch(0)  # warm-up outside the capture: lazy initialisation must not be captured
         stream.begin_capture()
-        for i in range(LAUNCHES_PER_GRAPH):
-            launch(i)
-        graph = stream.end_capture()
+        try:
+            for i in range(LAUNCHES_PER_GRAPH):
+                launch(i)
+        finally:
+            graph = stream.end_capture()  # a launch that failed must not leave the stream capturing
     graph.upload(stream)
     graph.launch(stream)
     start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -51,15 +56,24 @@ def replay_time_us(launch, stream, reps: int = REPLAYS) -> float:
     return statistics.median(times)
 
 
-def _random_nhwc(dims, dtype, rng):
-    arr = nhwc_empty(dims, dtype)
-    host = rng.standard_normal(dims).astype(np.float32)
-    arr[...] = gpu().cp.asarray(host).astype(cupy_dtype(dtype))
-    return arr, host
-
-
 def _relative_error(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def output_error(outputs: list, want: list, specs: list[TensorSpec]) -> float:
+    """Worst relative L2 error of the float outputs; inf if an integer output (a mask) differs at all."""
+    worst = 0.0
+    for arr, expected, s in zip(outputs, want, specs):
+        got = gpu().cp.asnumpy(arr)
+        if s.dtype in ("int64", "uint8"):
+            if not np.array_equal(got, expected):
+                return float("inf")
+            continue
+        err = _relative_error(got.astype(np.float64), np.asarray(expected, dtype=np.float64))
+        if not np.isfinite(err):
+            return float("inf")
+        worst = max(worst, err)
+    return worst
 
 
 def cost_vector(device: DeviceInfo, name: str, time_us: float, workspace_bytes: int, kernels, min_bytes: int):
@@ -76,44 +90,63 @@ def cost_vector(device: DeviceInfo, name: str, time_us: float, workspace_bytes: 
     )
 
 
-def measure_conv(graph: Graph, node: Node, device: DeviceInfo, handle, stream, rng) -> OpProfile:
+class NodeData:
+    """INPUT_SETS random input sets of one node on the device, their host copies, and the outputs each set's
+    launch writes (the set's own inputs where the node updates in place, shared buffers otherwise)."""
+
+    def __init__(self, graph: Graph, node: Node, rng):
+        self.in_specs, self.out_specs = specs_of(graph, node.inputs), specs_of(graph, node.outputs)
+        self.hosts = [host_inputs(node.kind, self.in_specs, rng) for _ in range(INPUT_SETS)]
+        self.inputs = [[to_device(h, s) for h, s in zip(hosts, self.in_specs)] for hosts in self.hosts]
+        aliases = in_place(graph, node)
+        self.in_place = aliases
+        shared = [None if j in aliases else device_empty(s) for j, s in enumerate(self.out_specs)]
+        self.outputs = [[ins[aliases[j]] if j in aliases else shared[j] for j in range(len(shared))]
+                        for ins in self.inputs]
+        self.shared = [a for a in shared if a is not None]
+
+    def reset(self) -> None:
+        """Set 0 as the reference saw it (undoing in-place updates); poison the outputs so a missed write shows."""
+        for j in self.in_place.values():
+            self.inputs[0][j][...] = gpu().cp.asarray(self.hosts[0][j])
+        for arr in self.shared:
+            arr.fill(np.nan if arr.dtype.kind == "f" else 2)
+
+    def reference(self, kind: str, attrs: dict) -> list:
+        values = [h.astype(np.float64) if h.dtype.kind == "f" else h for h in self.hosts[0]]
+        return REFERENCE[kind](values, attrs)
+
+
+def measure_node(graph: Graph, node: Node, device: DeviceInfo, handle, stream, rng) -> OpProfile:
+    """Every candidate of one node: run once on input set 0 and checked against the reference (kernels recorded
+    by CUPTI), then timed by CUDA-graph replay over the rotated input sets."""
     cp = gpu().cp
-    a_name, b_name = node.inputs[0], node.inputs[1]
-    out_name = node.outputs[0]
-    dims = {t: graph.tensors[t].shape for t in (a_name, b_name, out_name)}
-    attrs = node.attrs
-    if node.kind == "conv":
-        x_dims, w_dims, y_dims = dims[a_name], dims[b_name], dims[out_name]
-    elif node.kind == "conv_bwd_data":
-        x_dims, w_dims, y_dims = dims[out_name], dims[b_name], dims[a_name]
-    else:
-        x_dims, w_dims, y_dims = dims[a_name], dims[out_name], dims[b_name]
-    op = ConvOp(node.kind, attrs, x_dims, w_dims, y_dims, graph.dtype, handle)
-    sets = [(_random_nhwc(dims[a_name], graph.dtype, rng), _random_nhwc(dims[b_name], graph.dtype, rng))
-            for _ in range(INPUT_SETS)]
-    out = nhwc_empty(dims[out_name], graph.dtype)
-    (ha, hb) = sets[0][0][1], sets[0][1][1]
-    ref_attrs = {**attrs, "x_shape": x_dims, "w_shape": w_dims}
-    want = REFERENCE[node.kind]([ha.astype(np.float64), hb.astype(np.float64)], ref_attrs)[0]
+    describe = describe_op(node, graph)
+    try:
+        op = build_op(graph, node, handle)
+    except Exception as e:  # noqa: BLE001 - no implementation takes this node: say why, estimate it
+        return _estimated(graph, node, device, [Unsupported(name=node.kind, reason=f"{type(e).__name__}: {e}")])
+    data = NodeData(graph, node, rng)
+    want = data.reference(node.kind, node.attrs)
     unsupported = [Unsupported(name=n, reason=r) for n, r in op.unsupported]
-    min_bytes = sum(graph.tensors[t].bytes for t in (a_name, b_name, out_name))
+    min_bytes = sum(graph.tensors[t].bytes for t in node.inputs + node.outputs)
     candidates, best = [], float("inf")
-    for index, name, workspace_bytes in op.candidates:
+    for index, (name, workspace_bytes) in enumerate(op.candidates):
         if workspace_bytes > WORKSPACE_LIMIT_BYTES:
             unsupported.append(Unsupported(name=name, reason=f"workspace {workspace_bytes} bytes over the limit"))
             continue
         workspace = cp.empty(max(workspace_bytes, 1), cp.uint8)
         try:
-            out[...] = cp.nan
+            data.reset()
             with record_kernels(stream.synchronize) as kernels:
-                op.launch(index, sets[0][0][0], sets[0][1][0], out, workspace)
-            err = _relative_error(cp.asnumpy(out.astype(cp.float32)), want)
+                op.launch(index, data.inputs[0], data.outputs[0], workspace)
+            err = output_error(data.outputs[0], want, data.out_specs)
             if not err <= TOLERANCE[graph.dtype]:
                 unsupported.append(Unsupported(name=name, reason=f"wrong output (relative error {err:.2e})"))
                 continue
-            time_us = replay_time_us(lambda i: op.launch(index, sets[i % INPUT_SETS][0][0],
-                                                         sets[i % INPUT_SETS][1][0], out, workspace), stream)
-        except Exception as e:  # noqa: BLE001 - an engine that fails to run is recorded with its reason
+            time_us = replay_time_us(lambda i: op.launch(index, data.inputs[i % INPUT_SETS],
+                                                         data.outputs[i % INPUT_SETS], workspace), stream)
+        except Exception as e:  # noqa: BLE001 - an implementation that fails to run is recorded with its reason
             unsupported.append(Unsupported(name=name, reason=f"{type(e).__name__}: {str(e)[:160]}"))
             continue
         if time_us > SLOWER_THAN_BEST_LIMIT * best:
@@ -121,23 +154,32 @@ def measure_conv(graph: Graph, node: Node, device: DeviceInfo, handle, stream, r
             continue
         best = min(best, time_us)
         candidates.append(cost_vector(device, name, time_us, workspace_bytes, kernels, min_bytes))
-    return OpProfile(signature=node.signature, kind=node.kind, describe=describe_op(node, graph),
+    if not candidates:
+        return _estimated(graph, node, device, unsupported)
+    return OpProfile(signature=node.signature, kind=node.kind, describe=describe,
                      candidates=prune_candidates(candidates), measured_count=len(candidates), unsupported=unsupported)
 
 
+def _estimated(graph: Graph, node: Node, device: DeviceInfo, unsupported: list[Unsupported]) -> OpProfile:
+    """The analytic estimate, marked estimated, for a node no GPU candidate could run correctly."""
+    op = estimate_ops(graph, device, [node])[0]
+    op.estimated = True
+    op.unsupported = unsupported + op.unsupported
+    return op
+
+
 def measure_ops(graph: Graph, nodes: list[Node], device: DeviceInfo, counters: bool = False) -> Iterator[OpProfile]:
-    """Measured profiles for convolution kinds; other kinds get analytic estimates, marked estimated."""
+    """Measured profiles of the given nodes; views cost nothing and get the analytic model's zero-cost entry."""
     cp, cudnn = gpu().cp, gpu().cudnn
     handle = cudnn.create_handle()
     stream = cp.cuda.Stream(non_blocking=True)
     cudnn.set_stream(handle=handle, stream=stream.ptr)
     rng = np.random.default_rng(0)
-    others = [n for n in nodes if n.kind not in CONV_KINDS]
-    for op in estimate_ops(graph, device, others):
-        op.estimated = True
-        yield op
     for node in nodes:
-        if node.kind in CONV_KINDS:
-            with stream:
-                yield measure_conv(graph, node, device, handle, stream, rng)
-            cp.get_default_memory_pool().free_all_blocks()
+        if KINDS[node.kind].view:
+            yield from estimate_ops(graph, device, [node])
+            continue
+        with stream:
+            profile = measure_node(graph, node, device, handle, stream, rng)
+        cp.get_default_memory_pool().free_all_blocks()
+        yield profile

@@ -84,7 +84,9 @@ CASES = [
     ("gemm", {"transA": 0, "transB": 1, "alpha": 1.0, "beta": 1.0}, [(4, 20), (10, 20), (10,)]),
     ("gemm", {"transA": 1, "transB": 0, "alpha": 0.5, "beta": 2.0}, [(20, 4), (20, 10), (4, 10)]),
     ("gemm", {"transA": 0, "transB": 0, "alpha": 1.0, "beta": 0.0}, [(32, 1024), (1024, 100)]),
-    ("matmul", {}, [(4, 20), (20, 10)]), ("matmul", {}, [(3, 4, 5), (5, 6)]),
+    ("gemm", {"transA": 1, "transB": 1, "alpha": 1.0, "beta": 1.0}, [(20, 4), (10, 20), (1, 10)]),
+    ("matmul", {}, [(4, 20), (20, 10)]), ("matmul", {}, [(3, 4, 5), (5, 6)]), ("matmul", {}, [(4, 5), (3, 5, 6)]),
+    ("matmul", {}, [(3, 4, 5), (3, 5, 6)]),
     ("softmax", {"axis": 1}, [(4, 37)]), ("softmax", {"axis": 3}, [(2, 6, 5, 9)]), ("softmax", {"axis": 1}, [(3, 1000)]),
     ("softmax_bwd", {"axis": 1}, [(4, 37), (4, 37)]), ("softmax_bwd", {"axis": 3}, [(2, 6, 5, 9), (2, 6, 5, 9)]),
     ("softmax_xent", {}, [(8, 1000), (8,)]), ("softmax_xent", {}, [(5, 10), (5,)]),
@@ -177,8 +179,10 @@ def run_case(ctx, kind, attrs, shapes, dtype, in_place=None):
             _check(outputs, want, out_specs, dtype, (kind, name, "eager"))
             reset()
             stream.begin_capture()
-            op.launch(index, inputs, outputs, workspace)
-            graph = stream.end_capture()
+            try:
+                op.launch(index, inputs, outputs, workspace)
+            finally:
+                graph = stream.end_capture()
             reset()
             graph.launch(stream)
             stream.synchronize()
@@ -242,7 +246,7 @@ def _small_training_model(tmp_path: Path) -> Path:
     nodes.append(helper.make_node("MaxPool", [stem], ["pool"], kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1))
     res = conv_bn("res", "pool", 16, 16, 3)
     nodes.append(helper.make_node("Add", ["pool", res], ["sum"]))
-    six = conv_bn("six", "sum", 16, 8, 1, act="Clip")
+    six = conv_bn("r6", "sum", 16, 8, 1, act="Clip")
     nodes.append(helper.make_node("LRN", ["sum"], ["lrn"], size=5, alpha=1e-2, beta=0.75, bias=1.0))
     nodes.append(helper.make_node("AveragePool", ["lrn"], ["avg"], kernel_shape=[3, 3], pads=[1] * 4))
     nodes.append(helper.make_node("GlobalAveragePool", ["avg"], ["se.g"]))

@@ -4,7 +4,11 @@ candidate. Tensors are channels-last (NHWC) in memory with logical NCHW dims, as
 
 from __future__ import annotations
 
+from functools import partial
+
 from runner.gpu import cudnn_dtype, gpu
+from runner.ops.common import WANTED_ALGORITHM, check_index_range
+from runner.ops.reduce import channel_bias_add
 
 CONV_KINDS = ("conv", "conv_bwd_data", "conv_bwd_filter")
 
@@ -12,6 +16,54 @@ CONV_KINDS = ("conv", "conv_bwd_data", "conv_bwd_filter")
 def nhwc_strides(dims: list[int]) -> list[int]:
     n, c, h, w = dims
     return [c * h * w, 1, w * c, c]
+
+
+def build_plans(g, max_plans: int | None = None) -> tuple[list[tuple[int, str, int]], list[tuple[str, str]]]:
+    """Build every engine config of a cuDNN frontend graph (or the first `max_plans` in heuristic order, for
+    graphs whose engines are compiled at run time, about a second each): (plan index, plan name, workspace
+    bytes) of each distinct plan that builds, and (name, reason) of each that does not."""
+    cudnn = gpu().cudnn
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    count = g.get_execution_plan_count()
+    unsupported: list[tuple[str, str]] = []
+    wanted = WANTED_ALGORITHM.get()
+    if wanted is not None:
+        try:
+            names = [g.get_plan_name_at_index(i) for i in range(count)]
+        except Exception:  # noqa: BLE001 - names only after building: build them all below
+            names = []
+        plan = wanted.removeprefix("cudnn:")
+        if plan in names:
+            i = names.index(plan)
+            g.build_plan_at_index(i)
+            return [(i, plan, int(g.get_workspace_size_plan_at_index(i)))], []
+    if max_plans is None:
+        g.build_plans(cudnn.build_plan_policy.ALL)
+    else:
+        count = min(count, max_plans)
+        for i in range(count):
+            try:
+                g.build_plan_at_index(i)
+            except Exception as e:  # noqa: BLE001 - recorded below when its name cannot be read
+                unsupported.append((f"plan{i}", f"{type(e).__name__}: {str(e)[:120]}"))
+    candidates: list[tuple[int, str, int]] = []
+    seen = set()
+    for i in range(count):
+        if any(name == f"plan{i}" for name, _ in unsupported):
+            continue
+        try:
+            name = g.get_plan_name_at_index(i)
+            workspace = int(g.get_workspace_size_plan_at_index(i))
+        except Exception as e:  # noqa: BLE001 - a plan that did not build is recorded, not fatal
+            unsupported.append((f"plan{i}", f"{type(e).__name__}: {str(e)[:120]}"))
+            continue
+        if name not in seen:
+            seen.add(name)
+            candidates.append((i, name, workspace))
+    return candidates, unsupported
 
 
 class ConvOp:
@@ -45,26 +97,36 @@ class ConvOp:
             self.names = ("x", "dy", "dw")
         out.set_output(True).set_data_type(cudnn_dtype(dtype))
         self.y = out
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans(cudnn.build_plan_policy.ALL)
         self.graph = g
-        self.unsupported: list[tuple[str, str]] = []
-        self.candidates: list[tuple[int, str, int]] = []  # (plan index, plan name, workspace bytes)
-        seen = set()
-        for i in range(g.get_execution_plan_count()):
-            try:
-                name = g.get_plan_name_at_index(i)
-                workspace = int(g.get_workspace_size_plan_at_index(i))
-            except Exception as e:  # noqa: BLE001 - a plan that did not build is recorded, not fatal
-                self.unsupported.append((f"plan{i}", f"{type(e).__name__}: {str(e)[:120]}"))
-                continue
-            if name not in seen:
-                seen.add(name)
-                self.candidates.append((i, name, workspace))
+        self.candidates, self.unsupported = build_plans(g)
 
     def launch(self, index: int, a, b, out, workspace) -> None:
         """a, b: the two inputs (x, w | dy, w | x, dy) and out, as CuPy arrays with NHWC strides."""
         self.graph.execute_plan_at_index({self.x: a, self.w: b, self.y: out}, workspace, index, handle=self.handle)
+
+
+class ConvNode:
+    """A conv-family graph node in the registry's interface: candidates (plan name, workspace bytes); inputs
+    and outputs in the node's order ([x, w, b?] -> [y], [dy, w] -> [dx], [x, dy] -> [dw]). A conv bias is added
+    by a second kernel after the cuDNN plan."""
+
+    def __init__(self, kind: str, attrs: dict, ins, outs, handle):
+        check_index_range(*ins, *outs)
+        if kind == "conv":
+            x, w, y = ins[0], ins[1], outs[0]
+        elif kind == "conv_bwd_data":
+            x, w, y = outs[0], ins[1], ins[0]
+        else:
+            x, w, y = ins[0], outs[0], ins[1]
+        self.op = ConvOp(kind, attrs, list(x.shape), list(w.shape), list(y.shape), y.dtype, handle)
+        self.candidates = [(name, workspace) for _, name, workspace in self.op.candidates]
+        self.unsupported = self.op.unsupported
+        self.bias = (y.numel, y.shape[1], y.dtype) if kind == "conv" and len(ins) > 2 else None
+
+    def launch(self, index: int, inputs: list, outputs: list, workspace) -> None:
+        self.op.launch(self.op.candidates[index][0], inputs[0], inputs[1], outputs[0], workspace)
+        if self.bias:
+            channel_bias_add(outputs[0], inputs[2], *self.bias)
+
+
+OPS = {kind: partial(ConvNode, kind) for kind in CONV_KINDS}

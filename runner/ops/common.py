@@ -1,0 +1,233 @@
+"""What every GPU op shares: tensor specs, the memory layout, device buffers, and CUDA kernels compiled per dtype.
+
+Layout: a 4-D tensor has logical NCHW dims and lives channels-last (NHWC) in memory; every other tensor is
+row-major. A kernel works on the "physical" view (the dims in memory order), so a 4-D tensor's physical dims are
+(N, H, W, C) and it is contiguous there. CuPy arrays of 4-D tensors are NCHW-shaped views with NHWC strides.
+
+Kernels are CUDA C compiled by NVRTC (through CuPy) once per storage type: `T` is `float` or the raw bits of an
+IEEE half (`half_bits`), loaded and stored through `ld`/`st`, which convert to and from fp32, so every kernel
+accumulates in fp32 and needs no fp16 headers.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from contextvars import ContextVar
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from runner.gpu import gpu
+
+NUMPY_DTYPE = {"fp16": np.float16, "fp32": np.float32, "int64": np.int64, "uint8": np.uint8}
+KERNEL_TYPE = {"fp16": "half_bits", "fp32": "float"}
+THREADS = 256
+MAX_BLOCKS = 1 << 20  # grid-stride loops cover the rest
+INDEX_LIMIT = 1 << 31  # kernels index with 32-bit ints
+
+# The executor builds only the candidate a plan names (building every cuDNN engine of every op costs minutes)
+WANTED_ALGORITHM: ContextVar[str | None] = ContextVar("WANTED_ALGORITHM", default=None)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and storage dtype of one operand, all a factory needs to build an op."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def spec(shape, dtype: str) -> TensorSpec:
+    return TensorSpec(tuple(int(d) for d in shape), dtype)
+
+
+def physical(shape) -> tuple[int, ...]:
+    """Dims in memory order: (N, H, W, C) for 4-D, the logical dims otherwise."""
+    shape = tuple(shape)
+    return (shape[0], shape[2], shape[3], shape[1]) if len(shape) == 4 else shape
+
+
+def logical_strides(shape) -> list[int]:
+    """Element stride of each logical dim in memory (NHWC for 4-D, row-major otherwise)."""
+    if len(shape) == 4:
+        n, c, h, w = shape
+        return [h * w * c, 1, w * c, c]
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return strides[::-1]
+
+
+def broadcast_view(shape, rank: int) -> tuple[list[int], list[int]]:
+    """(physical dims, physical element strides) of an operand broadcast to `rank` logical dims, stride 0 where
+    it broadcasts: numpy right-aligns the dims, then a rank-4 result is seen in NHWC order."""
+    pad = rank - len(shape)
+    dims = [1] * pad + list(shape)
+    strides = [0] * pad + logical_strides(shape)
+    strides = [s if d > 1 else 0 for d, s in zip(dims, strides)]
+    order = [0, 2, 3, 1] if rank == 4 else list(range(rank))
+    return [dims[i] for i in order], [strides[i] for i in order]
+
+
+def physical_axis(axis: int, rank: int) -> int:
+    """Where logical `axis` sits among the physical dims."""
+    return [0, 3, 1, 2][axis] if rank == 4 else axis
+
+
+def device_empty(s: TensorSpec):
+    """An uninitialised device tensor in the runner's layout (NHWC strides for 4-D)."""
+    cp = gpu().cp
+    dtype = NUMPY_DTYPE[s.dtype]
+    if len(s.shape) == 4:
+        n, c, h, w = s.shape
+        return cp.empty((n, h, w, c), dtype=dtype).transpose(0, 3, 1, 2)
+    return cp.empty(s.shape, dtype=dtype)
+
+
+def to_device(host: np.ndarray, s: TensorSpec):
+    arr = device_empty(s)
+    arr[...] = gpu().cp.asarray(np.ascontiguousarray(host).astype(NUMPY_DTYPE[s.dtype]))
+    return arr
+
+
+def check_index_range(*specs: TensorSpec) -> None:
+    for s in specs:
+        if s.numel >= INDEX_LIMIT:
+            raise ValueError(f"tensor of {s.numel} elements is beyond the kernels' 32-bit indexing")
+
+
+PRELUDE = r"""
+typedef unsigned short half_bits;
+__device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float ld(const half_bits* p, long long i) {
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i])); return f;
+}
+__device__ __forceinline__ void st(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(half_bits* p, long long i, float v) {
+    half_bits h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v)); p[i] = h;
+}
+#define NEG_INF __int_as_float(0xff800000)
+#define GRID_LOOP(i, n) for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += gridDim.x * blockDim.x)
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// blockDim.x a multiple of 32; every thread gets the block's total
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
+    if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) part[0] = v;
+    __syncthreads();
+    v = part[0];
+    __syncthreads();
+    return v;
+}
+__device__ float block_max(float v) {
+    __shared__ float part[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : NEG_INF;
+    if (warp == 0) v = warp_max(v);
+    if (threadIdx.x == 0) part[0] = v;
+    __syncthreads();
+    v = part[0];
+    __syncthreads();
+    return v;
+}
+"""
+
+
+@lru_cache(maxsize=None)
+def _module(source: str, ctype: str):
+    cp = gpu().cp
+    return cp.RawModule(code=f"#define T {ctype}\n{PRELUDE}\n{source}", options=("--std=c++14",))
+
+
+def kernel(source: str, name: str, dtype: str = "fp32"):
+    """Kernel `name` of `source` with T = the storage type of `dtype` (compiled once per process and dtype)."""
+    return _module(source, KERNEL_TYPE[dtype]).get_function(name)
+
+
+def blocks_for(n: int, threads: int = THREADS) -> int:
+    return max(1, min(-(-n // threads), MAX_BLOCKS))
+
+
+def launch_1d(fn, n: int, *args) -> None:
+    """One thread per element (grid-stride beyond MAX_BLOCKS blocks); `args` follow the kernel's signature."""
+    fn((blocks_for(n),), (THREADS,), args)
+
+
+def i32(v) -> np.int32:
+    return np.int32(v)
+
+
+def f32(v) -> np.float32:
+    return np.float32(v)
+
+
+class SingleKernelOp(ABC):
+    """An op with one implementation: subclasses set `name` (and `workspace_bytes` if they need scratch) and
+    define `run`. `launch` writes into preallocated outputs and allocates nothing, so it can be graph-captured."""
+
+    name = "cupy_kernel"
+    workspace_bytes = 0
+    unsupported: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def candidates(self) -> list[tuple[str, int]]:
+        return [(self.name, self.workspace_bytes)]
+
+    def launch(self, index: int, inputs: list, outputs: list, workspace) -> None:
+        assert index == 0, index
+        self.run(inputs, outputs, workspace)
+
+    @abstractmethod
+    def run(self, inputs: list, outputs: list, workspace) -> None:
+        """Launch the kernels on the current stream."""
+
+
+class Alternatives:
+    """Every implementation of one node that builds, their candidates listed one after another."""
+
+    def __init__(self, builders: dict):
+        self.candidates: list[tuple[str, int]] = []
+        self.unsupported: list[tuple[str, str]] = []
+        self._route = []
+        wanted = WANTED_ALGORITHM.get()
+        for name, build in builders.items():
+            if wanted is not None and wanted != name and not wanted.startswith(name + ":"):
+                continue
+            try:
+                impl = build()
+            except Exception as e:  # noqa: BLE001 - an implementation that cannot take this node is recorded
+                self.unsupported.append((name, f"{type(e).__name__}: {str(e)[:160]}"))
+                continue
+            self.unsupported.extend(impl.unsupported)
+            for k, candidate in enumerate(impl.candidates):
+                self.candidates.append(candidate)
+                self._route.append((impl, k))
+        if not self.candidates:
+            raise ValueError("; ".join(f"{n}: {r}" for n, r in self.unsupported))
+
+    def launch(self, index: int, inputs: list, outputs: list, workspace) -> None:
+        impl, k = self._route[index]
+        impl.launch(k, inputs, outputs, workspace)
