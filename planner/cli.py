@@ -36,6 +36,7 @@ class SchemaName(str, Enum):
     graph = "graph"
     profile = "profile"
     plan = "plan"
+    run_report = "run_report"
 
 
 def load_graph(model: Path, batch: int, dtype: DType, train: bool):
@@ -113,13 +114,10 @@ def schema(name: SchemaName = typer.Argument(..., help="graph, profile or plan")
     from planner.ir import Graph
     from planner.plan import Plan
     from planner.profile import Profile
+    from planner.report import RunReport
 
-    cls = {"graph": Graph, "profile": Profile, "plan": Plan}[name.value]
+    cls = {"graph": Graph, "profile": Profile, "plan": Plan, "run_report": RunReport}[name.value]
     print(json.dumps(cls.model_json_schema(), indent=1))
-
-
-def _not_built(command: str, issue: str) -> None:
-    raise PlannerError(f"`planner {command}` is not built yet ({issue})")
 
 
 DEFAULT_STORE = Path("profiles/store")
@@ -202,6 +200,8 @@ def solve(
     workers: int = typer.Option(8, "--workers", min=1, help="CP-SAT workers"),
     seed: int = typer.Option(0, "--seed", help="CP-SAT random seed"),
     sweep: bool = typer.Option(False, "--sweep", help="solve at 100/70/50/30% of the serial peak"),
+    baseline: bool = typer.Option(False, "--baseline", help="write the framework-style plan instead (serial, "
+                                                            "fastest algorithm per op, nothing offloaded)"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="plan file (default plans/MODEL.bN.DTYPE.json)"),
     png: Optional[Path] = typer.Option(None, "--png", help="with several caps: the trade-off chart"),
 ):
@@ -217,9 +217,9 @@ def solve(
         caps = [int(serial_peak_bytes(graph) * f) for f in (1.0, 0.7, 0.5, 0.3)]
     else:
         caps = parse_sizes(mem, device_bytes) if mem else [device_bytes]
-    options = Options(streams=streams, time_limit_s=time_limit, workers=workers, seed=seed)
+    options = Options(streams=streams, time_limit_s=time_limit, workers=workers, seed=seed, baseline=baseline)
     mode = "train" if graph.training else "infer"
-    stem = f"{graph.model_name}.{mode}.b{graph.batch}.{graph.dtype}"
+    stem = f"{graph.model_name}.{mode}.b{graph.batch}.{graph.dtype}" + (".baseline" if baseline else "")
     rows = []
     for cap in caps:
         plan = _solve_one(graph, prof, cap, options, len(caps) > 1)
@@ -337,10 +337,32 @@ def show(plan_file: Path = typer.Argument(..., metavar="PLAN", help="plan JSON w
         console.print(f"timeline drawn to {png}")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def run(ctx: typer.Context):
+@app.command()
+def run(
+    plan_file: Path = typer.Argument(..., metavar="PLAN", help="plan JSON written by `planner solve`"),
+    model: Path = typer.Option(..., "--model", help="the plan's ONNX model (checked against the plan)"),
+    iters: int = typer.Option(100, "--iters", min=1, help="timed replays of the iteration"),
+    weights: Optional[Path] = typer.Option(None, "--weights", help="ONNX file with weights (random otherwise)"),
+    eager: bool = typer.Option(False, "--eager", help="launch op by op instead of replaying a CUDA graph"),
+    validate: bool = typer.Option(True, "--validate/--no-validate", help="check the first iteration against "
+                                                                          "the NumPy reference"),
+    report: Optional[Path] = typer.Option(None, "--report", help="write the measurements as JSON"),
+):
     """Execute a plan on the GPU, validate the numbers, and compare measured with predicted time and memory."""
-    _not_built("run", "the GPU executor is not built yet")
+    from planner.files import load_model
+    from planner.plan import Plan
+    from planner.run import print_report, run_on_gpu, verdict
+
+    plan = load_model(Plan, plan_file)
+    graph = load_graph(model, plan.batch, DType(plan.dtype), plan.training)
+    if graph.graph_sha256 != plan.graph_sha256:
+        raise PlannerError(f"{plan_file} was made for another model than {model} (or another batch/dtype)")
+    result = run_on_gpu(graph, plan, plan_file, iters, eager, validate, weights)
+    print_report(result, console)
+    if report is not None:
+        save_model(result, report)
+        console.print(f"report written to {report}")
+    verdict(result)
 
 
 class ExportTarget(str, Enum):

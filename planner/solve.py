@@ -43,6 +43,7 @@ class Options:
     offload: bool = True
     recompute: bool = True
     max_alternatives: int = 8
+    baseline: bool = False  # emit the framework-style plan instead: serial, fastest algorithm, everything kept
 
 
 def lower_bounds_us(p: Problem, streams: int) -> dict[str, float]:
@@ -79,6 +80,17 @@ def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options 
         raise CapTooSmall(f"the cap {fmt_bytes(cap_bytes)} is below the {fmt_bytes(need)} any schedule needs "
                           f"(resident {fmt_bytes(p.resident_bytes)}, plus what op {op} reads, writes and its "
                           f"leanest workspace); minimum cap: {need} bytes", need)
+    if options.baseline:
+        if base_peak > cap_bytes:
+            raise CapTooSmall(f"the serial baseline needs {fmt_bytes(base_peak)}, over the cap "
+                              f"{fmt_bytes(cap_bytes)}", base_peak)
+        bounds = lower_bounds_us(p, 1)
+        totals = Totals(makespan_us=0.0, peak_bytes=0, mem_cap_bytes=cap_bytes, lower_bound_us=max(bounds.values()),
+                        bounds_us=bounds, baseline_makespan_us=0.0, baseline_peak_bytes=base_peak, status="baseline (serial, fastest algorithm per op)",
+                        gap=0.0, solve_time_s=0.0)
+        plan = build_plan(graph, p, base, totals, 1)
+        plan.totals.baseline_makespan_us = plan.totals.makespan_us
+        return plan
     hint = best_heuristic(p, cap_bytes, options.streams)
     horizon = hint.makespan(p) if hint else _loose_horizon(p)
     bounds = lower_bounds_us(p, options.streams)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.files import PlannerError
+from planner.plan import Plan
 
 ALIGN_BYTES = 256  # cudaMalloc's alignment; cuDNN and cuBLAS want at least 16 bytes
 
@@ -69,3 +70,121 @@ def check_offsets(blocks: list[Block], offsets: dict[str, int]) -> None:
             if offsets[a.name] < offsets[b.name] + b.size_bytes and offsets[b.name] < offsets[a.name] + a.size_bytes:
                 raise PlannerError(f"arena overlap: {a.name!r} and {b.name!r} share memory while both are live "
                                    f"(from {max(a.start, b.start)})")
+
+
+ItemKey = tuple[str, int]  # ("op", index in plan.ops) or ("copy", index in plan.copies)
+
+
+@dataclass
+class BlockUse:
+    """Who touches one block: the item that fills it (None for a graph input, filled before the iteration
+    starts) and every item that reads or writes it while it is live."""
+
+    writer: ItemKey | None
+    users: list[ItemKey]
+
+
+def plan_blocks(plan: Plan) -> tuple[list[Block], dict[str, BlockUse], dict[tuple[ItemKey, str], str]]:
+    """The plan's memory as blocks: each residency interval of each tensor (`tensor#0` before an offload or a
+    drop, `tensor#1` after the copy back or the recomputation) and each op's workspace (`ws:k`, live while
+    op k runs). Returns the blocks, their users, and for (item, tensor) the block that item sees."""
+    blocks: list[Block] = []
+    uses: dict[str, BlockUse] = {}
+    seen: dict[tuple[ItemKey, str], str] = {}
+    residency = {r.tensor: r for r in plan.tensors}
+    for r in plan.tensors:
+        for k, (start, end) in enumerate(r.intervals_us):
+            blocks.append(Block(f"{r.tensor}#{k}", r.bytes, start, end))
+            uses[f"{r.tensor}#{k}"] = BlockUse(None, [])
+    for i, op in enumerate(plan.ops):
+        key: ItemKey = ("op", i)
+        for t in op.reads + op.writes:
+            r = residency[t]
+            late = op.recompute_of == t or op.node in r.late_readers
+            if late and len(r.intervals_us) < 2:
+                raise PlannerError(f"op {op.node!r} reads {t!r} after its {r.decision}, but the tensor has one "
+                                   "residency interval")
+            name = f"{t}#{int(late)}"
+            seen[key, t] = name
+            uses[name].users.append(key)
+            if t in op.writes and uses[name].writer is None:
+                uses[name].writer = key
+        if op.workspace_bytes:
+            blocks.append(Block(f"ws:{i}", op.workspace_bytes, op.start_us, op.end_us))
+            uses[f"ws:{i}"] = BlockUse(key, [key])
+    for j, c in enumerate(plan.copies):
+        key = ("copy", j)
+        name = f"{c.tensor}#{int(c.direction == 'h2d')}"
+        seen[key, c.tensor] = name
+        uses[name].users.append(key)
+        if c.direction == "h2d":
+            uses[name].writer = key
+    return blocks, uses, seen
+
+
+def add_reuse_waits(plan: Plan, blocks: list[Block], uses: dict[str, BlockUse], offsets: dict[str, int]) -> Plan:
+    """A copy of the plan where every item that fills a block first waits for the last user, on each other
+    stream, of every earlier block that shared any of its bytes. The plan's own waits follow data edges only;
+    these make reuse of arena memory safe however the real timing differs from the prediction:
+    writer(B).start >= end of each user(A) whenever A and B overlap in the arena and A ends before B starts.
+    A wait already implied by stream order and earlier waits (vector clocks in issue order) is not added."""
+    from runner.launch_order import launch_order
+
+    plan = plan.model_copy(deep=True)
+    items = {("op", i): op for i, op in enumerate(plan.ops)} | {("copy", j): c for j, c in enumerate(plan.copies)}
+    key_of = {id(it): k for k, it in items.items()}
+    needed: dict[ItemKey, dict[int, ItemKey]] = {}  # writer -> stream -> its last user there of reused bytes
+    for b in blocks:
+        writer = uses[b.name].writer
+        if writer is None:
+            continue
+        last = needed.setdefault(writer, {})
+        for a in blocks:
+            if a.end > b.start or a is b or not _share_bytes(a, b, offsets):
+                continue
+            for u in uses[a.name].users:
+                s = items[u].stream
+                if s != items[writer].stream and (s not in last or items[u].end_us > items[last[s]].end_us):
+                    last[s] = u
+    recorder = {it.record_event: k for k, it in items.items() if it.record_event}
+    used_events = set(recorder) | {e for it in items.values() for e in it.wait_events}
+    position: dict[ItemKey, int] = {}
+    clock: dict[ItemKey, dict[int, int]] = {}  # per item: stream -> last position known finished before it
+    stream_tail: dict[int, ItemKey] = {}
+    fresh = 0
+    for launch in launch_order(plan):
+        k = key_of[id(launch.item)]
+        it = items[k]
+        prev = stream_tail.get(it.stream)
+        position[k] = position[prev] + 1 if prev else 0
+        known = dict(clock[prev]) if prev else {}
+        if prev:
+            known[it.stream] = position[prev]
+
+        def merge(u: ItemKey) -> None:
+            if u in clock:
+                for s, pos in clock[u].items():
+                    known[s] = max(known.get(s, -1), pos)
+                known[items[u].stream] = max(known.get(items[u].stream, -1), position[u])
+
+        for e in it.wait_events:
+            merge(recorder[e])
+        for s, u in needed.get(k, {}).items():
+            if u in position and known.get(s, -1) >= position[u]:
+                continue
+            user = items[u]
+            if user.record_event is None:
+                while f"r{fresh}" in used_events:
+                    fresh += 1
+                user.record_event = f"r{fresh}"
+                used_events.add(user.record_event)
+                recorder[user.record_event] = u
+            it.wait_events.append(user.record_event)
+            merge(u)
+        clock[k] = known
+        stream_tail[it.stream] = k
+    return plan
+
+
+def _share_bytes(a: Block, b: Block, offsets: dict[str, int]) -> bool:
+    return offsets[a.name] < offsets[b.name] + b.size_bytes and offsets[b.name] < offsets[a.name] + a.size_bytes

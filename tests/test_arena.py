@@ -40,3 +40,45 @@ def test_random_lifetimes_pack_without_overlap(blocks):
     lower = peak_live_bytes(blocks)
     assert lower <= arena <= 2 * lower  # greedy by size stays near the bound on interval lifetimes
     assert all(offsets[b.name] + b.size_bytes <= arena for b in blocks)
+
+
+def _plan_with_reuse(with_data_wait: bool):
+    """a (stream 0) writes x, read by b (stream 1); later c (stream 0) writes y into x's bytes."""
+    from planner.plan import Plan, Residency, ScheduledOp, Totals
+
+    def op(name, stream, start, end, reads=(), writes=(), record=None, waits=()):
+        return ScheduledOp(node=name, algorithm="k", stream=stream, start_us=start, end_us=end, reads=list(reads),
+                           writes=list(writes), record_event=record, wait_events=list(waits))
+
+    ops = [op("a", 0, 0, 1, writes=["x"], record="ea"), op("b", 1, 1, 5, reads=["x"], waits=["ea"]),
+           op("c", 0, 6, 7, writes=["y"], waits=["eb"] if with_data_wait else [])]
+    if with_data_wait:
+        ops[1].record_event = "eb"
+    tensors = [Residency(tensor="x", bytes=1024, intervals_us=[(0, 5)]), Residency(tensor="y", bytes=1024,
+                                                                                   intervals_us=[(6, 7)])]
+    totals = Totals(makespan_us=7, peak_bytes=0, mem_cap_bytes=1, lower_bound_us=0, baseline_makespan_us=7,
+                    status="FEASIBLE", gap=0, solve_time_s=0)
+    return Plan(graph_sha256="0" * 64, model_name="m", batch=1, dtype="fp32", training=False,
+                device_fingerprint="d", estimated=False, compute_streams=2, ops=ops, tensors=tensors, totals=totals)
+
+
+def test_reused_bytes_make_the_writer_wait_for_the_last_reader():
+    from runner.arena import add_reuse_waits, plan_blocks
+
+    plan = _plan_with_reuse(with_data_wait=False)
+    blocks, uses, _ = plan_blocks(plan)
+    offsets, arena = assign_offsets(blocks)
+    assert offsets["x#0"] == offsets["y#0"] and arena == 1024  # y reuses x's bytes
+    safe = add_reuse_waits(plan, blocks, uses, offsets)
+    b, c = safe.ops[1], safe.ops[2]
+    assert b.record_event is not None and c.wait_events == [b.record_event]
+    assert plan.ops[2].wait_events == []  # the input plan is not modified
+
+
+def test_reuse_wait_already_implied_is_not_added():
+    from runner.arena import add_reuse_waits, plan_blocks
+
+    plan = _plan_with_reuse(with_data_wait=True)
+    blocks, uses, _ = plan_blocks(plan)
+    offsets, _ = assign_offsets(blocks)
+    assert add_reuse_waits(plan, blocks, uses, offsets).ops[2].wait_events == ["eb"]

@@ -1,0 +1,207 @@
+"""A plan on the GPU: one arena, the plan's streams, events, copies and recomputations, replayed as a CUDA graph.
+
+Memory: every non-persistent tensor and workspace lives in one device allocation at the offset that
+runner/arena.py gives its residency interval; weights, their gradients, optimizer and BatchNormalization state
+are separate allocations. Reusing arena bytes is made safe by extra waits (arena.add_reuse_waits), so a wrong
+prediction costs time, never correctness. Every 4-D tensor is NHWC in memory (runner/ops/common.py); the NCHW
+inputs are converted once, at the start of the iteration, on the first stream.
+
+Streams: stream 0 is the origin; the others fork from it (an event after the input conversion) and join it at
+the end, which is also what CUDA-graph capture needs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from planner.files import PlannerError
+from planner.ir import Graph
+from planner.plan import Copy, Plan, ScheduledOp
+from runner.arena import add_reuse_waits, assign_offsets, plan_blocks
+from runner.gpu import gpu
+from runner.launch_order import launch_order
+from runner.ops import build_op
+from runner.ops.common import NUMPY_DTYPE, device_empty, physical, spec
+
+H2D, D2H = 1, 2  # cudaMemcpyKind
+
+
+def strided_view(memptr, shape: list[int], dtype: str):
+    """A CuPy array over raw device memory in the runner's layout (NHWC strides for 4-D, row-major else)."""
+    cp = gpu().cp
+    itemsize = np.dtype(NUMPY_DTYPE[dtype]).itemsize
+    if len(shape) == 4:
+        n, c, h, w = shape
+        strides = tuple(s * itemsize for s in (h * w * c, 1, w * c, c))
+    else:
+        strides = tuple(math.prod(shape[i + 1:]) * itemsize for i in range(len(shape)))
+    return cp.ndarray(tuple(shape), dtype=NUMPY_DTYPE[dtype], memptr=memptr, strides=strides)
+
+
+def _same_memory_order(a: list[int], b: list[int]) -> bool:
+    """A view is free when both shapes list the elements in the same memory order."""
+    squeeze = lambda s: [d for d in physical(s) if d != 1]  # noqa: E731
+    return squeeze(a) == squeeze(b) or len(a) != 4 and len(b) != 4
+
+
+class Execution:
+    """Everything one plan needs on the device, built once; `issue()` enqueues one iteration."""
+
+    def __init__(self, graph: Graph, plan: Plan, parameters: dict[str, np.ndarray]):
+        cp, cudnn = gpu().cp, gpu().cudnn
+        if plan.graph_sha256 != graph.graph_sha256:
+            raise PlannerError("the plan was made for another model graph (batch, dtype or file differ)")
+        self.graph, self.nodes = graph, graph.node_by_name
+        blocks, uses, self.block_of = plan_blocks(plan)
+        self.offsets, self.arena_bytes = assign_offsets(blocks)
+        self.plan = add_reuse_waits(plan, blocks, uses, self.offsets)
+        self.order = launch_order(self.plan)
+        self.key = {id(op): ("op", i) for i, op in enumerate(self.plan.ops)}
+        self.key |= {id(c): ("copy", j) for j, c in enumerate(self.plan.copies)}
+        stream_ids = sorted({op.stream for op in plan.ops} | {c.stream for c in plan.copies} | {0})
+        self.streams = {s: cp.cuda.Stream(non_blocking=True) for s in stream_ids}
+        self.handles = {}
+        for s in {op.stream for op in plan.ops} | {0}:
+            self.handles[s] = cudnn.create_handle()
+            cudnn.set_stream(handle=self.handles[s], stream=self.streams[s].ptr)
+        self.events = {e: cp.cuda.Event(disable_timing=True) for it in self.plan.ops + self.plan.copies
+                       for e in [it.record_event, *it.wait_events] if e}
+        self.fork, self.joins = cp.cuda.Event(disable_timing=True), {s: cp.cuda.Event(disable_timing=True)
+                                                                      for s in stream_ids if s}
+        self.staging = {t: cp.empty(graph.tensors[t].shape, NUMPY_DTYPE[graph.tensors[t].dtype])
+                        for t in graph.inputs}
+        self.ops = [self._build(i, op) for i, op in enumerate(self.plan.ops)]
+        cp.cuda.Device().synchronize()
+        cp.get_default_memory_pool().free_all_blocks()
+        self.free_before = cp.cuda.runtime.memGetInfo()[0]
+        self.arena = cp.cuda.alloc(max(self.arena_bytes, 1))
+        self.persistent = {name: device_empty(spec(t.shape, t.dtype)) for name, t in graph.tensors.items()
+                           if t.alias_of is None and t.persistent}
+        self.load_parameters(parameters)
+        self.persistent_bytes = sum(a.nbytes for a in self.persistent.values())
+        self.host = {c.tensor: cp.cuda.alloc_pinned_memory(c.bytes) for c in self.plan.copies if c.direction == "d2h"}
+        self.copied = {"d2h": sum(c.bytes for c in plan.copies if c.direction == "d2h"),
+                       "h2d": sum(c.bytes for c in plan.copies if c.direction == "h2d")}
+
+    def load_parameters(self, parameters: dict[str, np.ndarray]) -> None:
+        """Weights and state from host values; everything persistent without a value (gradients) to zero."""
+        for name, arr in self.persistent.items():
+            if name in parameters:
+                arr[...] = gpu().cp.asarray(parameters[name].astype(arr.dtype))
+            else:
+                arr.fill(0)
+
+    def _build(self, i: int, op: ScheduledOp):
+        """(node, GPU op, candidate index) for each node the plan op runs."""
+        names = op.recompute_nodes or [op.node]
+        built = []
+        for name in names:
+            node = self.nodes[name]
+            if op.recompute_of and (node.kind == "batchnorm" or len(names) > 1):
+                raise PlannerError(f"the plan recomputes {op.recompute_of!r} through {node.kind} "
+                                   f"({len(names)} ops); the runner recomputes single non-batchnorm ops only")
+            impl = build_op(self.graph, node, self.handles[op.stream], None if op.recompute_of else op.algorithm)
+            candidates = [c for c, _ in impl.candidates]
+            algorithm = op.algorithm if op.algorithm in candidates else None
+            if algorithm is None and not op.recompute_of:
+                raise PlannerError(f"op {name!r}: the plan's algorithm {op.algorithm!r} does not build here "
+                                   f"(this GPU builds {len(candidates)}: {', '.join(candidates[:3])}...)")
+            built.append((node, impl, candidates.index(algorithm) if algorithm else 0))
+        return built
+
+    def array(self, key: tuple[str, int] | None, tensor: str):
+        """The device array of `tensor` as plan item `key` sees it (None: before any item, a graph input)."""
+        t = self.graph.tensors[tensor]
+        storage = self.graph.storage_of(tensor)
+        base = self.graph.tensors[storage]
+        if not _same_memory_order(base.shape, t.shape):
+            raise PlannerError(f"{tensor!r} is a view {t.shape} of {storage!r} {base.shape} whose NHWC memory "
+                               "order differs; the runner does not transpose views yet")
+        if storage in self.persistent:
+            return strided_view(self.persistent[storage].data, t.shape, t.dtype)
+        block = self.block_of.get((key, storage)) or f"{storage}#0"
+        if block not in self.offsets:
+            raise PlannerError(f"tensor {storage!r} has no residency in the plan")
+        return strided_view(self.arena + self.offsets[block], t.shape, t.dtype)
+
+    def workspace(self, i: int):
+        cp = gpu().cp
+        op = self.plan.ops[i]
+        if not op.workspace_bytes:
+            return cp.ndarray((1,), cp.uint8, memptr=self.arena)  # never written: every candidate said 0 bytes
+        return cp.ndarray((op.workspace_bytes,), cp.uint8, memptr=self.arena + self.offsets[f"ws:{i}"])
+
+    def launch_op(self, i: int) -> None:
+        op = self.plan.ops[i]
+        key = ("op", i)
+        for node, impl, index in self.ops[i]:
+            outputs = [self.array(key, t) for t in node.outputs]
+            if op.recompute_of:
+                outputs = [o if self.graph.storage_of(t) == op.recompute_of else None
+                           for t, o in zip(node.outputs, outputs)]
+            impl.launch(index, [self.array(key, t) for t in node.inputs], outputs, self.workspace(i))
+
+    def launch_copy(self, j: int, copy: Copy) -> None:
+        cp = gpu().cp
+        device = self.array(("copy", j), copy.tensor)
+        host = self.host[copy.tensor]
+        dst, src, kind = (host.ptr, device.data.ptr, D2H) if copy.direction == "d2h" else (device.data.ptr, host.ptr, H2D)
+        cp.cuda.runtime.memcpyAsync(dst, src, copy.bytes, kind, self.streams[copy.stream].ptr)
+
+    def begin(self) -> None:
+        """Convert the NCHW inputs on the origin stream; fork every other stream from it."""
+        origin = self.streams[0]
+        with origin:
+            for name, staged in self.staging.items():
+                self.array(None, name)[...] = staged
+            self.fork.record(origin)
+        for s, stream in self.streams.items():
+            if s:
+                stream.wait_event(self.fork)
+
+    def issue_item(self, launch) -> None:
+        """One plan item on its stream: its waits, its work, its record."""
+        item, stream = launch.item, self.streams[launch.stream]
+        for e in item.wait_events:
+            stream.wait_event(self.events[e])
+        kind, index = self.key[id(item)]
+        with stream:
+            if kind == "op":
+                self.launch_op(index)
+            else:
+                self.launch_copy(index, item)
+        if item.record_event:
+            self.events[item.record_event].record(stream)
+
+    def end(self) -> None:
+        """Join every stream back into the origin."""
+        for s, event in self.joins.items():
+            event.record(self.streams[s])
+            self.streams[0].wait_event(event)
+
+    def issue(self) -> None:
+        """Enqueue one iteration."""
+        self.begin()
+        for launch in self.order:
+            self.issue_item(launch)
+        self.end()
+
+    def capture(self):
+        """The iteration as one CUDA graph, captured from the origin stream."""
+        origin = self.streams[0]
+        origin.begin_capture()
+        try:
+            self.issue()
+        finally:
+            graph = origin.end_capture()
+        graph.upload(origin)
+        return graph
+
+    def measured_bytes(self) -> int:
+        """Device memory taken since the arena was allocated, as the driver reports it."""
+        cp = gpu().cp
+        cp.cuda.Device().synchronize()
+        cp.get_default_memory_pool().free_all_blocks()
+        return self.free_before - cp.cuda.runtime.memGetInfo()[0]
