@@ -347,9 +347,11 @@ def run(
     validate: bool = typer.Option(True, "--validate/--no-validate", help="check the first iteration against "
                                                                           "the NumPy reference"),
     report: Optional[Path] = typer.Option(None, "--report", help="write the measurements as JSON"),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="write one measured replay as a Chrome/Perfetto "
+                                                               "trace (kernels and copies per plan stream)"),
 ):
     """Execute a plan on the GPU, validate the numbers, and compare measured with predicted time and memory."""
-    from planner.files import load_model
+    from planner.files import atomic_write_text, load_model
     from planner.plan import Plan
     from planner.run import print_report, run_on_gpu, verdict
 
@@ -357,12 +359,52 @@ def run(
     graph = load_graph(model, plan.batch, DType(plan.dtype), plan.training)
     if graph.graph_sha256 != plan.graph_sha256:
         raise PlannerError(f"{plan_file} was made for another model than {model} (or another batch/dtype)")
-    result = run_on_gpu(graph, plan, plan_file, iters, eager, validate, weights)
+    if trace is not None and eager:
+        raise PlannerError("--trace records a CUDA-graph replay; drop --eager")
+    on_trace = (lambda events: atomic_write_text(trace, json.dumps(events))) if trace else None
+    result = run_on_gpu(graph, plan, plan_file, iters, eager, validate, weights, on_trace)
     print_report(result, console)
     if report is not None:
         save_model(result, report)
         console.print(f"report written to {report}")
+    if trace is not None:
+        console.print(f"trace of one replay written to {trace} (open in ui.perfetto.dev)")
     verdict(result)
+
+
+@app.command()
+def bench(
+    model: Path = ModelArg,
+    batch: str = typer.Option("1", "--batch", "-b", help="batch sizes, comma-separated: 1,32"),
+    dtype: str = typer.Option("fp32", "--dtype", help="data types, comma-separated: fp16,fp32"),
+    train: bool = TrainOpt,
+    mem: Optional[str] = typer.Option(None, "--mem", help="cap for our plan: 11GB, or 50% of our serial plan's "
+                                                          "peak; training adds PyTorch save_on_cpu and checkpoint"),
+    profile_path: Path = typer.Option(DEFAULT_STORE, "--profile", help="profile store (missing ops are measured)"),
+    rounds: int = typer.Option(10, "--rounds", min=1, help="interleaved rounds over every variant"),
+    iters: int = typer.Option(5, "--iters", min=1, help="timed iterations per variant and round (rounds x iters "
+                                                        ">= 50)"),
+    streams: int = typer.Option(4, "--streams", min=1, max=32, help="compute streams for our plan"),
+    time_limit: float = typer.Option(20.0, "--time-limit", min=0.1, help="CP-SAT limit (deterministic seconds)"),
+    workers: int = typer.Option(8, "--workers", min=1, help="CP-SAT workers"),
+    seed: int = typer.Option(0, "--seed", help="CP-SAT and weight seed"),
+    no_torch: bool = typer.Option(False, "--no-torch", help="our variants only, even where PyTorch is installed"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON report (default bench/MODEL.MODE.json)"),
+    png: Optional[Path] = typer.Option(None, "--png", help="bar chart (default: beside the JSON report)"),
+):
+    """Time our plan against our serial-fastest plan and PyTorch (eager, CUDA graph; save_on_cpu and checkpoint
+    for training under a cap), interleaved in one process on this GPU."""
+    from planner.bench import Settings, bench_on_gpu, parse_batches, parse_dtypes, print_report, save_outputs
+
+    settings = Settings(batches=parse_batches(batch), dtypes=parse_dtypes(dtype), train=train, mem=mem,
+                        rounds=rounds, iterations=iters, store=profile_path, streams=streams, time_limit_s=time_limit,
+                        workers=workers, seed=seed, torch=not no_torch)
+    if not model.is_file():
+        raise PlannerError(f"{model}: no such file")
+    result = bench_on_gpu(lambda b, d: load_graph(model, b, DType(d), train), settings, console)
+    print_report(result, console)
+    target = out or Path("bench") / f"{result.rows[0].model_name}.{'train' if train else 'infer'}.json"
+    save_outputs(result, target, png or target.with_suffix(".png"), console)
 
 
 class ExportTarget(str, Enum):

@@ -93,7 +93,7 @@ _k("lrn", "[x] -> [y]: ONNX LRN across channels; attrs size, alpha, beta, bias",
 _k("softmax_xent", "[logits, labels] -> [loss, probs]: mean over the batch of -log softmax(logits)[label]; loss is fp32 of shape []",
    phase="loss", flops=lambda i, o, a: 6 * _numel(i[0]))
 # backward
-_k("softmax_xent_bwd", "[probs, labels] -> [dlogits]: (probs - onehot(labels)) / N", phase="backward")
+_k("softmax_xent_bwd", "[probs, labels] -> [dlogits]: (probs - onehot(labels)) * loss_scale / N", phase="backward")
 _k("conv_bwd_data", "[dy, w] -> [dx]: data gradient of conv (the conv's attrs plus x_shape)", phase="backward",
    flops=lambda i, o, a: 2 * _numel(i[0]) * _numel(i[1][1:]))
 _k("conv_bwd_filter", "[x, dy] -> [dw]: weight gradient of conv (the conv's attrs plus w_shape)", phase="backward",
@@ -118,7 +118,7 @@ _k("softmax_bwd", "[y, dy] -> [dx]: y * (dy - sum(dy * y, axis)); attr axis", ph
 _k("lrn_bwd", "[x, dy] -> [dx]: gradient of LRN; attrs as lrn", phase="backward",
    flops=lambda i, o, a: (2 * a["size"] + 8) * _numel(i[0]))
 # update
-_k("sgd", "[w, dw, v] -> [w', v']: in place, v' = momentum*v + dw + weight_decay*w; w' = w - lr*v'; attrs lr, momentum, weight_decay", phase="update",
+_k("sgd", "[w, dw, v] -> [w', v']: in place, v' = momentum*v + dw*grad_unscale + weight_decay*w (v fp32); w' = w - lr*v'; attrs lr, momentum, weight_decay, grad_unscale", phase="update",
    flops=lambda i, o, a: 4 * _numel(i[0]))
 
 

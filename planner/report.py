@@ -41,7 +41,10 @@ class RunReport(BaseModel):
     measured_max_us: float
     predicted_us: float
     error: float = Field(description="(measured median - predicted) / predicted")
-    measured_peak_bytes: int = Field(description="device memory the run took (CUDA driver, cudaMemGetInfo)")
+    measured_peak_bytes: int = Field(description="device memory the plan's buffers took, as the CUDA driver "
+                                     "reports it (cudaMemGetInfo before and after the arena and persistent tensors)")
+    runtime_bytes: int = Field(0, description="further device memory the process took while running: kernel "
+                               "modules, the instantiated CUDA graph, library state (not part of the plan)")
     arena_bytes: int
     persistent_bytes: int
     predicted_peak_bytes: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,7 @@ def onnx_weights(path: Path, graph: Graph) -> dict[str, np.ndarray]:
 
 
 def run_on_gpu(graph: Graph, plan: Plan, plan_file: Path, iterations: int, eager: bool, check: bool,
-               weights: Path | None) -> RunReport:
+               weights: Path | None, on_trace: Callable[[dict], None] | None = None) -> RunReport:
     try:
         from runner.gpu import gpu
         from runner.probe import probe_device
@@ -61,7 +62,7 @@ def run_on_gpu(graph: Graph, plan: Plan, plan_file: Path, iterations: int, eager
         raise PlannerError(f"the plan was made for {plan.device_fingerprint}, this GPU is {device.fingerprint} "
                            "(another GPU or cuDNN version): profile here and solve again")
     parameters = onnx_weights(weights, graph) if weights else None
-    return run_plan(graph, plan, str(plan_file), device.name, iterations, eager, check, parameters)
+    return run_plan(graph, plan, str(plan_file), device.name, iterations, eager, check, parameters, on_trace)
 
 
 def print_report(r: RunReport, console: Console) -> None:
@@ -72,7 +73,8 @@ def print_report(r: RunReport, console: Console) -> None:
                   f"over {r.iterations} replays")
     table.add_row("predicted", f"{r.predicted_us:.1f} us (error {r.error:+.1%})")
     table.add_row("device memory (driver)", f"{fmt_bytes(r.measured_peak_bytes)}: arena {fmt_bytes(r.arena_bytes)} "
-                  f"+ persistent {fmt_bytes(r.persistent_bytes)}")
+                  f"+ persistent {fmt_bytes(r.persistent_bytes)} ({r.measured_peak_bytes / r.predicted_peak_bytes - 1:+.1%} "
+                  f"against predicted); runtime +{fmt_bytes(r.runtime_bytes)} (modules, CUDA graph, libraries)")
     table.add_row("predicted peak / cap", f"{fmt_bytes(r.predicted_peak_bytes)} / {fmt_bytes(r.cap_bytes)}")
     table.add_row("copied d2h / h2d", f"{fmt_bytes(r.d2h_bytes)} / {fmt_bytes(r.h2d_bytes)}")
     if r.validated:

@@ -178,7 +178,10 @@ class PlannedNet(torch.nn.Module):
         with _OffloadHooks(self) if PLAN.get("offload") and self.uses_streams else _nothing():
             logits = self(x)
         loss = F.cross_entropy(logits.float() if logits.dtype == torch.float16 else logits, labels.to(self.device_))
-        loss.backward()
+        unscale = PLAN.get("sgd", {}).get("grad_unscale", 1.0)  # static loss scaling, as the plan's iteration does
+        (loss / unscale).backward()
+        if unscale != 1.0:
+            torch._foreach_mul_([p.grad for p in self.params.values() if p.grad is not None], unscale)
         self.optimizer.step()
         return loss.detach()
 

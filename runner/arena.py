@@ -23,7 +23,7 @@ class Block:
     end: float  # instant it is free again (exclusive)
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
     return -(-n // ALIGN_BYTES) * ALIGN_BYTES
 
 
@@ -46,7 +46,7 @@ def assign_offsets(blocks: list[Block]) -> tuple[dict[str, int], int]:
     placed: list[tuple[Block, int, int]] = []  # block, offset, aligned size
     offsets: dict[str, int] = {}
     for block in sorted(blocks, key=lambda b: (-b.size_bytes, b.start, b.name)):
-        size = _aligned(block.size_bytes)
+        size = aligned(block.size_bytes)
         busy = sorted((off, off + sz) for other, off, sz in placed if _overlap_in_time(block, other))
         offset = 0
         for lo, hi in busy:
@@ -58,6 +58,12 @@ def assign_offsets(blocks: list[Block]) -> tuple[dict[str, int], int]:
     arena = max((off + sz for _, off, sz in placed), default=0)
     check_offsets(blocks, offsets)
     return offsets, arena
+
+
+def first_over(blocks: list[Block], offsets: dict[str, int], limit_bytes: int) -> Block | None:
+    """The earliest block that reaches past `limit_bytes` of the arena, if any: where a cap is broken."""
+    over = [b for b in blocks if offsets[b.name] + b.size_bytes > limit_bytes]
+    return min(over, key=lambda b: (b.start, b.name), default=None)
 
 
 def check_offsets(blocks: list[Block], offsets: dict[str, int]) -> None:

@@ -18,12 +18,14 @@ import numpy as np
 
 from planner.files import PlannerError
 from planner.ir import Graph
+from planner.memsize import fmt_bytes
 from planner.plan import Copy, Plan, ScheduledOp
-from runner.arena import add_reuse_waits, assign_offsets, plan_blocks
+from runner.arena import add_reuse_waits, aligned, assign_offsets, first_over, plan_blocks
 from runner.gpu import gpu
 from runner.launch_order import launch_order
 from runner.ops import build_op
-from runner.ops.common import NUMPY_DTYPE, device_empty, physical, spec
+from runner.ops.common import NUMPY_DTYPE, physical, spec
+from runner.ops.norm import BatchNormApply
 
 H2D, D2H = 1, 2  # cudaMemcpyKind
 
@@ -38,6 +40,12 @@ def strided_view(memptr, shape: list[int], dtype: str):
     else:
         strides = tuple(math.prod(shape[i + 1:]) * itemsize for i in range(len(shape)))
     return cp.ndarray(tuple(shape), dtype=NUMPY_DTYPE[dtype], memptr=memptr, strides=strides)
+
+
+def _device_malloc(size_bytes: int):
+    """A cudaMalloc of our own, outside CuPy's pool, so the driver's free-memory counter sees exactly it."""
+    cp = gpu().cp
+    return cp.cuda.MemoryPointer(cp.cuda.Memory(max(size_bytes, 1)), 0)
 
 
 def _same_memory_order(a: list[int], b: list[int]) -> bool:
@@ -56,6 +64,7 @@ class Execution:
         self.graph, self.nodes = graph, graph.node_by_name
         blocks, uses, self.block_of = plan_blocks(plan)
         self.offsets, self.arena_bytes = assign_offsets(blocks)
+        _check_cap(graph, plan, blocks, self.offsets)
         self.plan = add_reuse_waits(plan, blocks, uses, self.offsets)
         self.order = launch_order(self.plan)
         self.key = {id(op): ("op", i) for i, op in enumerate(self.plan.ops)}
@@ -76,11 +85,15 @@ class Execution:
         cp.cuda.Device().synchronize()
         cp.get_default_memory_pool().free_all_blocks()
         self.free_before = cp.cuda.runtime.memGetInfo()[0]
-        self.arena = cp.cuda.alloc(max(self.arena_bytes, 1))
-        self.persistent = {name: device_empty(spec(t.shape, t.dtype)) for name, t in graph.tensors.items()
-                           if t.alias_of is None and t.persistent}
+        self.arena = _device_malloc(self.arena_bytes)
+        persistent = [t for t in graph.tensors.values() if t.alias_of is None and t.persistent]
+        at = np.cumsum([0] + [aligned(t.bytes) for t in persistent])
+        self.persistent_bytes = int(at[-1])
+        base = _device_malloc(self.persistent_bytes)
+        self.persistent = {t.name: strided_view(base + int(off), t.shape, t.dtype) for t, off in zip(persistent, at)}
+        cp.cuda.Device().synchronize()
+        self.data_bytes = self.free_before - cp.cuda.runtime.memGetInfo()[0]
         self.load_parameters(parameters)
-        self.persistent_bytes = sum(a.nbytes for a in self.persistent.values())
         self.host = {c.tensor: cp.cuda.alloc_pinned_memory(c.bytes) for c in self.plan.copies if c.direction == "d2h"}
         self.copied = {"d2h": sum(c.bytes for c in plan.copies if c.direction == "d2h"),
                        "h2d": sum(c.bytes for c in plan.copies if c.direction == "h2d")}
@@ -94,21 +107,24 @@ class Execution:
                 arr.fill(0)
 
     def _build(self, i: int, op: ScheduledOp):
-        """(node, GPU op, candidate index) for each node the plan op runs."""
+        """(node, GPU op, candidate index) for each node the plan op runs: one, or a recomputation's chain, where
+        BatchNormalization is re-applied with its saved statistics and each other op runs the candidate named
+        in the plan's `a+b` algorithm (its fastest)."""
         names = op.recompute_nodes or [op.node]
+        wanted = op.algorithm.split("+") if op.recompute_of else [op.algorithm]
         built = []
-        for name in names:
+        for name, algorithm in zip(names, wanted if len(wanted) == len(names) else [None] * len(names)):
             node = self.nodes[name]
-            if op.recompute_of and (node.kind == "batchnorm" or len(names) > 1):
-                raise PlannerError(f"the plan recomputes {op.recompute_of!r} through {node.kind} "
-                                   f"({len(names)} ops); the runner recomputes single non-batchnorm ops only")
-            impl = build_op(self.graph, node, self.handles[op.stream], None if op.recompute_of else op.algorithm)
+            if op.recompute_of and node.kind == "batchnorm":
+                x = self.graph.tensors[node.inputs[0]]
+                built.append((node, BatchNormApply(node.attrs, spec(x.shape, x.dtype)), 0))
+                continue
+            impl = build_op(self.graph, node, self.handles[op.stream], algorithm)
             candidates = [c for c, _ in impl.candidates]
-            algorithm = op.algorithm if op.algorithm in candidates else None
-            if algorithm is None and not op.recompute_of:
-                raise PlannerError(f"op {name!r}: the plan's algorithm {op.algorithm!r} does not build here "
+            if algorithm not in candidates and not op.recompute_of:
+                raise PlannerError(f"op {name!r}: the plan's algorithm {algorithm!r} does not build here "
                                    f"(this GPU builds {len(candidates)}: {', '.join(candidates[:3])}...)")
-            built.append((node, impl, candidates.index(algorithm) if algorithm else 0))
+            built.append((node, impl, candidates.index(algorithm) if algorithm in candidates else 0))
         return built
 
     def array(self, key: tuple[str, int] | None, tensor: str):
@@ -136,12 +152,27 @@ class Execution:
     def launch_op(self, i: int) -> None:
         op = self.plan.ops[i]
         key = ("op", i)
-        for node, impl, index in self.ops[i]:
-            outputs = [self.array(key, t) for t in node.outputs]
-            if op.recompute_of:
-                outputs = [o if self.graph.storage_of(t) == op.recompute_of else None
-                           for t, o in zip(node.outputs, outputs)]
-            impl.launch(index, [self.array(key, t) for t in node.inputs], outputs, self.workspace(i))
+        workspace = self.workspace(i)
+        if not op.recompute_of:
+            node, impl, index = self.ops[i][0]
+            impl.launch(index, [self.array(key, t) for t in node.inputs], [self.array(key, t) for t in node.outputs],
+                        workspace)
+            return
+        made, used = {}, 0  # a chain's intermediates sit at the front of its workspace (the solver counted them)
+        for k, (node, impl, index) in enumerate(self.ops[i]):
+            inputs = [made.get(self.graph.storage_of(t)) for t in node.inputs]
+            inputs = [a if a is not None else self.array(key, t) for a, t in zip(inputs, node.inputs)]
+            outputs: list = [None] * len(node.outputs)
+            first = self.graph.tensors[node.outputs[0]]
+            if k == len(self.ops[i]) - 1:
+                outputs[0] = self.array(key, node.outputs[0])
+            else:
+                outputs[0] = strided_view(workspace.data + used, first.shape, first.dtype)
+                made[self.graph.storage_of(node.outputs[0])] = outputs[0]
+                used += -(-first.bytes // 256) * 256
+            if isinstance(impl, BatchNormApply):
+                inputs = inputs[:3] + [self.array(key, t) for t in node.outputs[3:5]]
+            impl.launch(index, inputs, outputs, workspace[used:])
 
     def launch_copy(self, j: int, copy: Copy) -> None:
         cp = gpu().cp
@@ -199,9 +230,20 @@ class Execution:
         graph.upload(origin)
         return graph
 
-    def measured_bytes(self) -> int:
-        """Device memory taken since the arena was allocated, as the driver reports it."""
+    def runtime_bytes(self) -> int:
+        """Device memory the driver shows taken beyond the plan's buffers (`data_bytes`): kernel modules loaded
+        on first launch, the instantiated CUDA graph, library state; a per-process constant like the context."""
         cp = gpu().cp
         cp.cuda.Device().synchronize()
         cp.get_default_memory_pool().free_all_blocks()
-        return self.free_before - cp.cuda.runtime.memGetInfo()[0]
+        return self.free_before - cp.cuda.runtime.memGetInfo()[0] - self.data_bytes
+
+
+def _check_cap(graph: Graph, plan: Plan, blocks, offsets: dict[str, int]) -> None:
+    """Refuse an arena that cannot fit under the plan's cap, naming the first tensor and instant that break it."""
+    persistent = sum(aligned(t.bytes) for t in graph.tensors.values() if t.alias_of is None and t.persistent)
+    block = first_over(blocks, offsets, plan.totals.mem_cap_bytes - persistent)
+    if block is not None:
+        raise PlannerError(f"over the cap {fmt_bytes(plan.totals.mem_cap_bytes)}: {block.name.split('#')[0]!r} "
+                           f"({fmt_bytes(block.size_bytes)}) at {block.start:.1f} us would end "
+                           f"{fmt_bytes(offsets[block.name] + block.size_bytes + persistent)} into device memory")

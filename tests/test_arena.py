@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.files import PlannerError
-from runner.arena import ALIGN_BYTES, Block, assign_offsets, check_offsets, peak_live_bytes
+from runner.arena import ALIGN_BYTES, Block, aligned, assign_offsets, check_offsets, first_over, peak_live_bytes
 
 
 def test_chain_reuses_memory():
@@ -19,6 +19,14 @@ def test_chain_reuses_memory():
 def test_sizes_are_aligned():
     offsets, arena = assign_offsets([Block("a", 10, 0, 2), Block("b", 10, 1, 3)])
     assert sorted(offsets.values()) == [0, ALIGN_BYTES] and arena == 2 * ALIGN_BYTES
+
+
+def test_first_block_over_a_limit_is_named():
+    blocks = [Block("a", 1000, 0, 10), Block("b", 1000, 5, 20), Block("c", 1000, 2, 8)]
+    offsets, arena = assign_offsets(blocks)
+    assert first_over(blocks, offsets, arena) is None
+    over = first_over(blocks, offsets, 2 * aligned(1000))
+    assert over is not None and offsets[over.name] == 2 * aligned(1000) and over.start == 5
 
 
 def test_check_catches_overlap():

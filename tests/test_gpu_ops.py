@@ -98,15 +98,15 @@ CASES = [
     ("batchnorm_bwd", {"epsilon": 1e-3}, [X, X, (6,), (6,), (6,)]),
     ("batchnorm_bwd", {"epsilon": 1e-3}, [(8, 32, 14, 14), (8, 32, 14, 14), (32,), (32,), (32,)]),
     ("lrn", LRN, [X]), ("lrn", {**LRN, "size": 4}, [X]), ("lrn_bwd", LRN, [X, X]), ("lrn_bwd", {**LRN, "size": 4}, [X, X]),
-    ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}, [(6, 4, 3, 3)] * 3),
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "grad_unscale": 1 / 1024}, [(6, 4, 3, 3)] * 3),
     ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}, [(6,)] * 3),
     ("conv", CONV, [(2, 4, 9, 7), (6, 4, 3, 3)]), ("conv", CONV_S2, [(2, 4, 9, 7), (6, 4, 3, 3), (6,)]),
     ("conv_bwd_data", {**CONV, "x_shape": [2, 4, 9, 7]}, [(2, 6, 9, 7), (6, 4, 3, 3)]),
     ("conv_bwd_filter", {**CONV, "w_shape": [6, 4, 3, 3]}, [(2, 4, 9, 7), (2, 6, 9, 7)]),
 ]
 DTYPES_IN = {"batchnorm": "xffff", "batchnorm_bwd": "xxfff", "softmax_xent": "xi", "softmax_xent_bwd": "fi",
-             "dropout_bwd": "xu"}
-DTYPES_OUT = {"batchnorm": "xffff", "batchnorm_bwd": "xff", "softmax_xent": "ff", "dropout": "xu"}
+             "dropout_bwd": "xu", "sgd": "xxf"}
+DTYPES_OUT = {"batchnorm": "xffff", "batchnorm_bwd": "xff", "softmax_xent": "ff", "dropout": "xu", "sgd": "xf"}
 IN_PLACE = {"sgd": {0: 0, 1: 2}, "batchnorm": {1: 3, 2: 4}}
 CODES = {"f": "fp32", "i": "int64", "u": "uint8"}
 

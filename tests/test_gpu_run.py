@@ -1,6 +1,6 @@
 """`planner run` end to end on a small network with every op kind: profile, solve, run the planned and the
-serial baseline plan, inference and training, and a capped training plan with offloads; every run must
-validate against the NumPy reference and stay under its cap. Skipped without a GPU."""
+serial baseline plan, inference and training, and capped training plans with offloads and recomputations;
+every run must validate against the NumPy reference and stay under its cap. Skipped without a GPU."""
 
 import pytest
 
@@ -27,11 +27,19 @@ def _profiled(tmp_path, train: bool):
 def _run_and_check(graph, plan, device):
     from runner.replay import run_plan
 
-    report = run_plan(graph, plan, "plan.json", device.name, iterations=3)
+    traces = []
+    report = run_plan(graph, plan, "plan.json", device.name, iterations=3, on_trace=traces.append)
     failed = [c for c in report.checks if not c.passed]
     assert report.checks and not failed, failed
     assert report.measured_peak_bytes <= plan.totals.mem_cap_bytes
     assert report.measured_median_us > 0 and len(report.ops) == len(plan.ops)
+    # the replay's trace: every kernel and copy matched to the plan item that launched it, on its stream
+    (trace,) = traces
+    assert trace["otherData"]["unmatched"] == 0 and trace["otherData"]["activities"] > 0
+    labelled = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    missing = [o.node for o, op in zip(report.ops, plan.ops)
+               if o.measured_us > 0 and not op.recompute_of and o.node not in labelled]
+    assert not missing, missing
     return report
 
 
@@ -45,14 +53,23 @@ def test_planned_and_baseline_runs_validate(tmp_path, train):
     _run_and_check(graph, baseline, device)
 
 
-def test_offloaded_tensors_come_back_bit_identical(tmp_path):
+@pytest.mark.parametrize("recompute", [False, True], ids=["offload", "offload+recompute"])
+def test_capped_training_plan_validates(tmp_path, recompute):
+    """Under a cap that forces offloads (and recomputations, BatchNormalization with its saved statistics),
+    offloaded tensors come back bit for bit and the iteration still validates."""
     graph, profile, device = _profiled(tmp_path, True)
     full = solve_plan(graph, profile, device.memory_bytes, Options(time_limit_s=5, workers=4))
-    cap = full.totals.resident_bytes + (full.totals.peak_bytes - full.totals.resident_bytes) * 6 // 10
-    try:
-        plan = solve_plan(graph, profile, cap, Options(time_limit_s=10, workers=4, recompute=False))
-    except CapTooSmall as e:
-        pytest.skip(f"no offload plan at 60% of the activations: {e}")
+    activations = full.totals.peak_bytes - full.totals.resident_bytes
+    plan = None
+    for tenths in (6, 4, 2):
+        try:
+            plan = solve_plan(graph, profile, full.totals.resident_bytes + activations * tenths // 10,
+                              Options(time_limit_s=10, workers=4, recompute=recompute))
+        except CapTooSmall:
+            break
+        if plan.copies or any(op.recompute_of for op in plan.ops):
+            break
+    if plan is None or not (plan.copies or any(op.recompute_of for op in plan.ops)):
+        pytest.skip("no feasible cap down to 20% of the activations needed an offload or a recomputation")
     report = _run_and_check(graph, plan, device)
-    if plan.copies:
-        assert any(c.what == "round_trip" for c in report.checks)
+    assert any(c.what == "round_trip" for c in report.checks) == bool(plan.copies)

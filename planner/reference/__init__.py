@@ -61,11 +61,20 @@ def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     return values
 
 
-def run(graph: Graph, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Execute every node in order; returns all tensors (the given values included)."""
+STORAGE = {"fp16": np.float16, "fp32": np.float32}
+
+
+def run(graph: Graph, values: dict[str, np.ndarray], round_to_storage: bool = False) -> dict[str, np.ndarray]:
+    """Execute every node in order; returns all tensors (the given values included).
+
+    With `round_to_storage`, every op's outputs are rounded to their tensor's dtype (kept in float64), so the
+    reference runs the same program the device runs: fp16 activations and gradients stored in fp16 at every
+    op. Without it, the comparison also measures how fp16 rounding compounds through a deep network, which
+    says nothing about whether the device's kernels are right."""
     env = dict(values)
     for n in graph.nodes:
         outs = KERNELS[n.kind]([env[t] for t in n.inputs], n.attrs)
         for name, value in zip(n.outputs, outs):
-            env[name] = value
+            storage = STORAGE.get(graph.tensors[name].dtype) if round_to_storage else None
+            env[name] = value.astype(storage).astype(np.float64) if storage and value.dtype.kind == "f" else value
     return env

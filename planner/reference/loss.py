@@ -17,7 +17,7 @@ def softmax_xent_bwd(inputs, a):
     n = probs.shape[0]
     d = probs.copy()
     d[np.arange(n), labels] -= 1
-    return [d / n]
+    return [d * a.get("loss_scale", 1.0) / n]
 
 
 KERNELS = {"softmax_xent": softmax_xent, "softmax_xent_bwd": softmax_xent_bwd}

@@ -3,7 +3,7 @@
 
 def sgd(inputs, a):
     w, dw, v = inputs
-    v_new = a["momentum"] * v + dw + a["weight_decay"] * w
+    v_new = a["momentum"] * v + dw * a.get("grad_unscale", 1.0) + a["weight_decay"] * w
     return [w - a["lr"] * v_new, v_new]
 
 

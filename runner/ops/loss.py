@@ -110,10 +110,10 @@ class SoftmaxXent(SingleKernelOp):
 class SoftmaxXentBwd(SingleKernelOp):
     name = "cupy_elementwise"
 
-    def __init__(self, dx: TensorSpec):
+    def __init__(self, attrs: dict, dx: TensorSpec):
         check_index_range(dx)
         self.dtype, self.numel = dx.dtype, dx.numel
-        self.params = (i32(dx.shape[1]), f32(1.0 / dx.shape[0]))
+        self.params = (i32(dx.shape[1]), f32(attrs.get("loss_scale", 1.0) / dx.shape[0]))
 
     def run(self, inputs, outputs, workspace):
         launch_1d(kernel(SRC, "xent_bwd", self.dtype), self.numel, *inputs, outputs[0], i32(self.numel), *self.params)
@@ -123,5 +123,5 @@ OPS = {
     "softmax": lambda a, i, o, h: Softmax("softmax", a, i[0]),
     "softmax_bwd": lambda a, i, o, h: Softmax("softmax_bwd", a, i[0]),
     "softmax_xent": lambda a, i, o, h: SoftmaxXent(i[0]),
-    "softmax_xent_bwd": lambda a, i, o, h: SoftmaxXentBwd(o[0]),
+    "softmax_xent_bwd": lambda a, i, o, h: SoftmaxXentBwd(a, o[0]),
 }

@@ -28,6 +28,15 @@ extern "C" __global__ void bn_infer(const T* x, T* y, const float* scale, const 
     }
 }
 
+// training batchnorm re-applied with the statistics its forward pass saved (a recomputation)
+extern "C" __global__ void bn_apply_saved(const T* x, T* y, const float* scale, const float* bias,
+                                          const float* mean, const float* invstd, int n, int C, int inner) {
+    GRID_LOOP(i, n) {
+        int c = (i / inner) % C;
+        st(y, i, (ld(x, i) - mean[c]) * invstd[c] * scale[c] + bias[c]);
+    }
+}
+
 // block (32, 8): per column of [M, C], sums over one row split of v = x - x[0, c] and v * v (shifted, so a
 // large mean does not cancel the variance), or of dy and dy * (x - mean)
 extern "C" __global__ void bn_partial(const T* x, const T* dy, const float* mean, int backward, int M, int C,
@@ -167,6 +176,16 @@ class BatchNormInference(SingleKernelOp):
         x, scale, bias, mean, var = inputs
         launch_1d(kernel(SRC, "bn_infer", self.dtype), self.n, x, outputs[0], scale, bias, mean, var, i32(self.n),
                   *self.params)
+
+
+class BatchNormApply(BatchNormInference):
+    """Training BatchNormalization recomputed from the mean and inverse deviation its forward pass saved:
+    inputs (x, scale, bias, saved_mean, saved_invstd), no running-statistics update."""
+
+    def run(self, inputs, outputs, workspace):
+        x, scale, bias, mean, invstd = inputs
+        launch_1d(kernel(SRC, "bn_apply_saved", self.dtype), self.n, x, outputs[0], scale, bias, mean, invstd,
+                  i32(self.n), *self.params[:2])
 
 
 class _ColumnStats(SingleKernelOp):
