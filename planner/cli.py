@@ -396,7 +396,7 @@ def bench(
     for training under a cap), interleaved in one process on this GPU."""
     from planner.bench import Settings, bench_on_gpu, parse_batches, parse_dtypes, print_report, save_outputs
 
-    settings = Settings(batches=parse_batches(batch), dtypes=parse_dtypes(dtype), train=train, mem=mem,
+    settings = Settings(batches=parse_batches(batch), dtypes=parse_dtypes(dtype), mem=mem,
                         rounds=rounds, iterations=iters, store=profile_path, streams=streams, time_limit_s=time_limit,
                         workers=workers, seed=seed, torch=not no_torch)
     if not model.is_file():

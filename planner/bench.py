@@ -1,0 +1,448 @@
+"""`planner bench`: our planned execution beside our serial-fastest plan and PyTorch, on one GPU, in one process.
+
+For each (dtype, batch) every variant is built once and warmed up; then R rounds run every variant in turn (the
+order rotates each round, so drift and noise hit all alike), M timed iterations each after one untimed one.
+Each iteration is timed alone, CUDA events around it and a synchronisation after, as `planner run` times, so
+a median is one iteration's latency. Ratios are against the fastest PyTorch variant of the same configuration;
+under a cap, the fastest whose measured peak stayed under it, when one did.
+
+Everything except `bench_on_gpu` works without a GPU (the report, its table, JSON and chart), and the GPU side
+imports runner/ and torch lazily: without torch the benchmark runs our variants only and says so.
+"""
+
+from __future__ import annotations
+
+import gc
+import platform
+import statistics
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from planner.files import FORMAT_VERSION, PlannerError, save_model
+from planner.ir import Graph
+from planner.memsize import fmt_bytes, parse_size
+
+MIN_ITERATIONS = 50  # per variant, over all rounds
+EQUIVALENT = 0.05  # our IR's PyTorch build and torchvision's must run within 5% of each other
+DTYPES = ("fp16", "fp32")
+WIDE_COLUMNS = 150  # the table's width in logs and pipes (a terminal's own width otherwise)
+
+
+class BenchRow(BaseModel):
+    model_name: str
+    batch: int
+    dtype: str
+    training: bool
+    variant: str
+    framework: Literal["ours", "torch"]
+    iterations: int
+    median_us: float
+    p10_us: float
+    p90_us: float
+    min_us: float
+    max_us: float
+    peak_bytes: int = Field(description="ours: the plan's buffers as the driver counts them (arena + persistent); "
+                            "PyTorch: most bytes its allocator held allocated for this variant, weights included")
+    cap_bytes: int | None = Field(None, description="the memory cap our plan was solved for, if one was given")
+    ratio_vs_best_torch: float | None = Field(None, description="median over the best PyTorch variant's median")
+    best_torch: str | None = None
+    note: str = ""
+
+    @property
+    def config(self) -> tuple:
+        return self.model_name, self.batch, self.dtype, self.training
+
+
+class Environment(BaseModel):
+    gpu: str
+    compute_capability: str = ""
+    versions: dict[str, str] = Field(default_factory=dict, description="driver, CUDA runtime, cuDNN (ours), CuPy, "
+                                     "Python; torch, its CUDA and cuDNN, torchvision when present")
+    tf32: str = ""
+
+
+class EquivalenceCheck(BaseModel):
+    """Our IR's PyTorch build against torchvision's network of the same architecture, timed in the same rounds:
+    eager (framework overhead included) and as CUDA graphs (the GPU work alone)."""
+
+    model_name: str
+    batch: int
+    dtype: str
+    training: bool
+    mode: Literal["eager", "graph"]
+    ours_ir_us: float
+    torchvision_us: float
+    ratio: float = Field(description="ours_ir_us / torchvision_us")
+    passed: bool = Field(description=f"within {EQUIVALENT:.0%} of each other")
+
+
+class BenchReport(BaseModel):
+    kind: Literal["bench_report"] = "bench_report"
+    format_version: int = FORMAT_VERSION
+    environment: Environment
+    rounds: int
+    iterations_per_round: int
+    method: str = ("variants interleaved round by round; each iteration timed alone with CUDA events; medians "
+                   "over all rounds; same dtype and TF32 setting for every variant")
+    rows: list[BenchRow]
+    checks: list[EquivalenceCheck] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+
+def parse_batches(text: str) -> list[int]:
+    """`1,32` -> [1, 32]."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise PlannerError(f"--batch {text!r}: give batch sizes of at least 1, comma-separated, e.g. 1,32")
+    return list(dict.fromkeys(map(int, parts)))
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """`fp16,fp32` -> ['fp16', 'fp32']."""
+    dtypes = [p.strip().lower() for p in text.split(",") if p.strip()]
+    if not dtypes or not set(dtypes) <= set(DTYPES):
+        raise PlannerError(f"--dtype {text!r}: give one or more of {', '.join(DTYPES)}, e.g. fp16,fp32")
+    return list(dict.fromkeys(dtypes))
+
+
+def cap_for(mem: str | None, serial_peak_bytes: int) -> int | None:
+    """The memory cap of `--mem`: bytes as written, or a percentage of our serial-fastest plan's peak."""
+    if mem is not None and "," in mem:
+        raise PlannerError(f"--mem {mem!r}: bench takes one cap")
+    return None if mem is None else parse_size(mem, serial_peak_bytes)
+
+
+@dataclass
+class Settings:
+    batches: list[int]
+    dtypes: list[str]
+    mem: str | None = None
+    rounds: int = 10
+    iterations: int = 5
+    store: Path = Path("profiles/store")
+    streams: int = 4
+    time_limit_s: float = 20.0
+    workers: int = 8
+    seed: int = 0
+    torch: bool = True
+
+    def __post_init__(self):
+        if self.rounds * self.iterations < MIN_ITERATIONS:
+            raise PlannerError(f"--rounds {self.rounds} x --iters {self.iterations} = "
+                               f"{self.rounds * self.iterations} timed iterations; medians need at least "
+                               f"{MIN_ITERATIONS} per variant")
+        cap_for(self.mem, 1 << 40)  # reads, before any GPU work
+
+
+@dataclass
+class Variant:
+    """One way to run the network: `time_us(n)` runs one untimed iteration then n timed ones."""
+
+    name: str
+    framework: Literal["ours", "torch"]
+    time_us: Callable[[int], list[float]]
+    peak_bytes: Callable[[], int]
+    note: str = ""
+    keep: list = field(default_factory=list)  # what must live while it is timed
+
+
+def interleave(variants: list[Variant], rounds: int, iterations: int) -> dict[str, list[float]]:
+    """Every variant's iteration times, from `rounds` rounds of each variant in turn, the order rotating."""
+    samples: dict[str, list[float]] = {v.name: [] for v in variants}
+    for r in range(rounds):
+        for i in range(len(variants)):
+            v = variants[(i + r) % len(variants)]
+            samples[v.name] += v.time_us(iterations)
+    return samples
+
+
+def make_row(graph_key: tuple, variant: Variant, times_us: list[float], cap_bytes: int | None) -> BenchRow:
+    model_name, batch, dtype, training = graph_key
+    ordered = sorted(times_us)
+    deciles = statistics.quantiles(ordered, n=10, method="inclusive") if len(ordered) > 1 else ordered * 9
+    return BenchRow(model_name=model_name, batch=batch, dtype=dtype, training=training, variant=variant.name,
+                    framework=variant.framework, iterations=len(ordered), median_us=statistics.median(ordered),
+                    p10_us=deciles[0], p90_us=deciles[-1], min_us=ordered[0], max_us=ordered[-1],
+                    peak_bytes=variant.peak_bytes(), cap_bytes=cap_bytes, note=variant.note)
+
+
+def add_ratios(rows: list[BenchRow]) -> None:
+    """Each row's median against the best PyTorch variant of its configuration (none without PyTorch rows)."""
+    for config in dict.fromkeys(r.config for r in rows):
+        group = [r for r in rows if r.config == config]
+        torch_rows = [r for r in group if r.framework == "torch"]
+        fitting = [r for r in torch_rows if r.cap_bytes is None or r.peak_bytes <= r.cap_bytes]
+        if not torch_rows:
+            continue
+        best = min(fitting or torch_rows, key=lambda r: r.median_us)
+        for r in group:
+            r.ratio_vs_best_torch, r.best_torch = r.median_us / best.median_us, best.variant
+
+
+def equivalence_checks(rows: list[BenchRow]) -> list[EquivalenceCheck]:
+    """Our IR's PyTorch build against torchvision's, eager and graph, where both ran."""
+    out = []
+    for config in dict.fromkeys(r.config for r in rows):
+        by_name = {r.variant: r for r in rows if r.config == config}
+        for mode in ("eager", "graph"):
+            ours, tv = by_name.get(f"torch {mode}"), by_name.get(f"torchvision {mode}")
+            if ours and tv:
+                ratio = ours.median_us / tv.median_us
+                out.append(EquivalenceCheck(model_name=config[0], batch=config[1], dtype=config[2],
+                                            training=config[3], mode=mode, ours_ir_us=ours.median_us,
+                                            torchvision_us=tv.median_us, ratio=ratio,
+                                            passed=abs(ratio - 1) <= EQUIVALENT))
+    return out
+
+
+def _us(t: float) -> str:
+    return f"{t / 1000:.3f} ms" if t >= 1000 else f"{t:.1f} us"
+
+
+def _config_label(row: BenchRow) -> str:
+    return f"b{row.batch} {row.dtype} {'train' if row.training else 'infer'}"
+
+
+def print_report(report: BenchReport, console: Console) -> None:
+    e = report.environment
+    console.print(f"[bold]{e.gpu}[/] (sm {e.compute_capability}): " + ", ".join(f"{k} {v}" for k, v in
+                                                                               e.versions.items()), highlight=False)
+    console.print(f"TF32: {e.tf32}", highlight=False)
+    models = ", ".join(dict.fromkeys(r.model_name for r in report.rows))
+    table = Table(title=f"{models}: iteration time in ms, {report.rounds} rounds x {report.iterations_per_round} "
+                        "iterations per variant, interleaved", title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("config", "variant", "median", "p10–p90", "peak memory", "vs best torch"):
+        table.add_column(name, no_wrap=True, justify="left" if name in ("config", "variant") else "right")
+    table.add_column("note", overflow="fold")
+    last = None
+    for r in report.rows:
+        if r.config != last and last is not None:
+            table.add_section()
+        label, last = (_config_label(r) if r.config != last else ""), r.config
+        cap = f" / {fmt_bytes(r.cap_bytes)}" if r.cap_bytes and r.framework == "ours" else ""
+        ratio = f"{r.ratio_vs_best_torch:.2f}x" if r.ratio_vs_best_torch is not None else "–"
+        table.add_row(label, r.variant, f"{r.median_us / 1000:.3f}", f"{r.p10_us / 1000:.3f}–{r.p90_us / 1000:.3f}",
+                      fmt_bytes(r.peak_bytes) + cap, ratio, r.note, style="bold" if r.variant == "ours planned"
+                      else None)
+    wide = console.is_terminal or console.width >= WIDE_COLUMNS
+    (console if wide else Console(file=console.file, width=WIDE_COLUMNS, highlight=False)).print(table)
+    for c in report.checks:
+        verdict = "[green]within 5%[/]" if c.passed else f"[yellow]{abs(c.ratio - 1):.0%} apart[/]"
+        console.print(f"check {c.model_name} b{c.batch} {c.dtype} {c.mode}: our IR's PyTorch build "
+                      f"{_us(c.ours_ir_us)}, torchvision {_us(c.torchvision_us)} ({c.ratio:.3f}x): {verdict}")
+    for note in report.notes:
+        console.print(f"note: {note}", highlight=False)
+
+
+def draw_chart(report: BenchReport, path: Path) -> None:
+    """One column per configuration, each on its own scale: median time (whiskers p10–p90) and peak memory per
+    variant, the cap dashed."""
+    from planner.show import _pyplot, _save
+
+    plt = _pyplot()
+    configs = list(dict.fromkeys(r.config for r in report.rows))
+    variants = list(dict.fromkeys(r.variant for r in report.rows))
+    colours = {name: f"C{k % 10}" for k, name in enumerate(variants)}
+    fig, axes = plt.subplots(2, len(configs), figsize=(1.2 + 0.45 * len(variants) * len(configs), 6), squeeze=False)
+    for col, config in enumerate(configs):
+        rows = [r for r in report.rows if r.config == config]
+        at = range(len(rows))
+        ax_t, ax_m = axes[0][col], axes[1][col]
+        spread = [[(r.median_us - r.p10_us) / 1000 for r in rows], [(r.p90_us - r.median_us) / 1000 for r in rows]]
+        ax_t.bar(at, [r.median_us / 1000 for r in rows], color=[colours[r.variant] for r in rows], yerr=spread,
+                 capsize=2)
+        ax_m.bar(at, [r.peak_bytes / 2**30 for r in rows], color=[colours[r.variant] for r in rows])
+        if rows[0].cap_bytes:
+            ax_m.axhline(rows[0].cap_bytes / 2**30, color="grey", linestyle="--")
+        m, b, d, t = config
+        ax_t.set_title(f"{m} b{b} {d} {'train' if t else 'infer'}", fontsize=9)
+        for ax in (ax_t, ax_m):
+            ax.set_xticks([])
+    axes[0][0].set_ylabel("median iteration (ms)")
+    axes[1][0].set_ylabel("peak device memory (GiB)")
+    fig.legend([plt.Rectangle((0, 0), 1, 1, color=colours[v]) for v in variants], variants, loc="lower center",
+               ncol=min(len(variants), 4), fontsize=8)
+    fig.suptitle(f"{report.environment.gpu}: medians of {report.rounds * report.iterations_per_round} interleaved "
+                 "iterations per variant")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    _save(fig, path)
+    plt.close(fig)
+
+
+def save_outputs(report: BenchReport, out: Path, png: Path | None, console: Console) -> None:
+    """The JSON (atomic), then the chart: without matplotlib the chart is skipped with a note, not an error."""
+    save_model(report, out)
+    console.print(f"report written to {out}")
+    if png is None:
+        return
+    try:
+        draw_chart(report, png)
+    except PlannerError as e:
+        console.print(f"[yellow]no chart[/]: {e}")
+        return
+    console.print(f"chart written to {png}")
+
+
+def bench_on_gpu(load: Callable[[int, str], Graph], settings: Settings, console: Console) -> BenchReport:
+    """Every (dtype, batch) configuration of the model that `load(batch, dtype)` imports, timed on this GPU."""
+    cp, cudnn_version = _require_gpu()
+    from runner.probe import probe_device
+    from runner.torch_peer import TF32, setup, torch_missing
+
+    device = probe_device()
+    missing = torch_missing() if settings.torch else "--no-torch given"
+    notes = [f"no PyTorch variants: {missing}; our variants only"] if missing else []
+    if missing:
+        console.print(f"[yellow]{notes[0]}[/]")
+    versions = {"driver": device.driver_version, "cuda_runtime": device.cuda_version, "cudnn": cudnn_version,
+                "cupy": cp.__version__, "python": platform.python_version()} | ({} if missing else setup())
+    env = Environment(gpu=device.name, compute_capability=device.compute_capability, versions=versions, tf32=TF32)
+    rows: list[BenchRow] = []
+    for dtype in settings.dtypes:
+        for batch in settings.batches:
+            rows += _bench_config(load(batch, dtype), device, settings, not missing, console, notes)
+            _release(not missing)
+    add_ratios(rows)
+    return BenchReport(environment=env, rounds=settings.rounds, iterations_per_round=settings.iterations, rows=rows,
+                       checks=equivalence_checks(rows), notes=notes)
+
+
+def _require_gpu():
+    """CuPy and a CUDA device, or one line that says what is missing."""
+    try:
+        from runner.gpu import gpu
+
+        stack = gpu()
+        count = stack.cp.cuda.runtime.getDeviceCount()
+    except ImportError as e:
+        raise PlannerError(f"bench runs on an NVIDIA GPU and needs the GPU extra (pip install -e '.[gpu]'): {e}") \
+            from None
+    except Exception as e:  # noqa: BLE001 - no driver, no device: one line, no traceback
+        raise PlannerError(f"bench needs a CUDA GPU: {type(e).__name__}: {str(e)[:160]}") from None
+    if count < 1:
+        raise PlannerError("bench needs a CUDA GPU: none found")
+    return stack.cp, str(stack.cudnn.backend_version())
+
+
+def _bench_config(graph: Graph, device, s: Settings, with_torch: bool, console: Console,
+                  notes: list[str]) -> list[BenchRow]:
+    """One configuration: our two plans (and the PyTorch peers) built, warmed, interleaved, released."""
+    from planner.solve import CapTooSmall, Options, solve_plan
+
+    label = f"{graph.model_name} b{graph.batch} {graph.dtype} {'train' if graph.training else 'infer'}"
+    profile = _measured_profile(graph, s.store, device, console)
+    serial = solve_plan(graph, profile, device.memory_bytes, Options(baseline=True))
+    cap = cap_for(s.mem, serial.totals.peak_bytes)
+    options = Options(streams=s.streams, time_limit_s=s.time_limit_s, workers=s.workers, seed=s.seed)
+    console.print(f"{label}: solving (CP-SAT, {s.time_limit_s:g} s limit)"
+                  + (f" under a cap of {fmt_bytes(cap)}" if cap else ""))
+    try:
+        planned = solve_plan(graph, profile, cap or device.memory_bytes, options)
+    except CapTooSmall as e:
+        notes.append(f"{label}: no planned variant: {e}")
+        planned = None
+    host, params = _values(graph)
+    variants = []
+    if planned is not None:
+        t = planned.totals
+        variants.append(_our_variant("ours planned", graph, planned, host, params,
+                                     f"{t.streams_used} streams, predicted {_us(t.makespan_us)}"
+                                     + (f", offloads {fmt_bytes(t.offloaded_bytes)}" if t.offloaded_bytes else "")
+                                     + (f", recomputes {fmt_bytes(t.recomputed_bytes)}" if t.recomputed_bytes
+                                        else "")))
+    over = cap is not None and serial.totals.peak_bytes > cap
+    variants.append(_our_variant("ours serial", graph, serial, host, params, "serial, fastest algorithm per op"
+                                 + (", ignores the cap" if over else "")))
+    if with_torch:
+        from runner.torch_peer import build_peers
+
+        peers, left_out = build_peers(graph, capped=cap is not None, seed=s.seed)
+        notes += [f"{label}: {n}" for n in left_out]
+        variants += [Variant(p.name, "torch", _tracked(p), (lambda p=p: p.peak_bytes), p.note, [p]) for p in peers]
+    console.print(f"{label}: timing {len(variants)} variants, {s.rounds} rounds x {s.iterations} iterations")
+    samples = interleave(variants, s.rounds, s.iterations)
+    key = (graph.model_name, graph.batch, graph.dtype, graph.training)
+    return [make_row(key, v, samples[v.name], cap) for v in variants]
+
+
+def _measured_profile(graph: Graph, store_dir: Path, device, console: Console):
+    """The graph's measured profile for this GPU; ops the store lacks are measured now."""
+    from planner.profile_gpu import profile_on_gpu
+    from planner.store import ProfileStore
+
+    store = ProfileStore(store_dir, device)
+    missing = store.missing(graph)
+    if not missing:
+        return store.assemble(graph)
+    console.print(f"{graph.model_name}: {len(missing)} op signatures not in {store_dir}; measuring them")
+    return profile_on_gpu(graph, store_dir, console=console)[0]
+
+
+def _values(graph: Graph):
+    """Random weights and inputs, rounded to the device dtypes, as `planner run` makes them."""
+    from planner import reference
+    from runner.validate import rounded
+
+    values = reference.random_parameters(graph)
+    host = rounded(graph, values | reference.random_inputs(graph))
+    return host, {k: host[k] for k in values}
+
+
+def _our_variant(name: str, graph: Graph, plan, host, params, note: str) -> Variant:
+    from runner.replay import prepare
+
+    ready = prepare(graph, plan, host, params)
+    return Variant(name, "ours", event_timer(ready.launch, ready.origin), lambda: ready.exe.data_bytes, note, [ready])
+
+
+def _tracked(peer) -> Callable[[int], list[float]]:
+    from runner.gpu import gpu
+
+    with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external, which older CuPy lacks
+        warnings.simplefilter("ignore", DeprecationWarning)
+        stream = gpu().cp.cuda.ExternalStream(peer.stream_ptr)
+    timer = event_timer(peer.step, stream)
+    return lambda n: peer.tracked(lambda: timer(n))
+
+
+def event_timer(launch: Callable[[], None], stream) -> Callable[[int], list[float]]:
+    """n iterations of `launch` (which enqueues on the CuPy `stream`), each timed alone with CUDA events, after
+    one untimed iteration."""
+    from runner.gpu import gpu
+
+    cp = gpu().cp
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+
+    def time_us(n: int) -> list[float]:
+        launch()
+        stream.synchronize()
+        times = []
+        for _ in range(n):
+            start.record(stream)
+            launch()
+            end.record(stream)
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+        return times
+    return time_us
+
+
+def _release(with_torch: bool) -> None:
+    """Give a finished configuration's device memory back before the next is built."""
+    from runner.gpu import gpu
+
+    gc.collect()
+    gpu().cp.cuda.Device().synchronize()
+    gpu().cp.get_default_memory_pool().free_all_blocks()
+    if with_torch:
+        import torch
+
+        torch.cuda.empty_cache()
