@@ -234,6 +234,12 @@ def print_report(report: BenchReport, console: Console) -> None:
                       else None)
     wide = console.is_terminal or console.width >= WIDE_COLUMNS
     (console if wide else Console(file=console.file, width=WIDE_COLUMNS, highlight=False)).print(table)
+    for config in dict.fromkeys(r.config for r in report.rows if r.best_torch):
+        row = next(r for r in report.rows if r.config == config)
+        under = row.cap_bytes and next(r for r in report.rows if r.variant == row.best_torch and r.config == config
+                                       ).peak_bytes <= row.cap_bytes
+        console.print(f"{_config_label(row)}: ratios against {row.best_torch}, the fastest PyTorch variant"
+                      + (f" under the cap {fmt_bytes(row.cap_bytes)}" if under else ""), highlight=False)
     for c in report.checks:
         verdict = "[green]within 5%[/]" if c.passed else f"[yellow]{abs(c.ratio - 1):.0%} apart[/]"
         console.print(f"check {c.model_name} b{c.batch} {c.dtype} {c.mode}: our IR's PyTorch build "
@@ -354,7 +360,8 @@ def _bench_config(graph: Graph, device, s: Settings, with_torch: bool, console: 
     if planned is not None:
         t = planned.totals
         variants.append(_our_variant("ours planned", graph, planned, host, params,
-                                     f"{t.streams_used} streams, predicted {_us(t.makespan_us)}"
+                                     f"{t.streams_used} stream{'s' * (t.streams_used != 1)}, predicted "
+                                     f"{_us(t.makespan_us)}"
                                      + (f", offloads {fmt_bytes(t.offloaded_bytes)}" if t.offloaded_bytes else "")
                                      + (f", recomputes {fmt_bytes(t.recomputed_bytes)}" if t.recomputed_bytes
                                         else "")))
