@@ -421,24 +421,14 @@ def _tracked(peer) -> Callable[[int], list[float]]:
 
 
 def event_timer(launch: Callable[[], None], stream) -> Callable[[int], list[float]]:
-    """n iterations of `launch` (which enqueues on the CuPy `stream`), each timed alone with CUDA events, after
-    one untimed iteration."""
-    from runner.gpu import gpu
-
-    cp = gpu().cp
-    start, end = cp.cuda.Event(), cp.cuda.Event()
+    """n iterations of `launch` (which enqueues on the CuPy `stream`), each timed alone with CUDA events as
+    `planner run` times them, after one untimed iteration."""
+    from runner.replay import timed_us
 
     def time_us(n: int) -> list[float]:
         launch()
         stream.synchronize()
-        times = []
-        for _ in range(n):
-            start.record(stream)
-            launch()
-            end.record(stream)
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
-        return times
+        return timed_us(launch, stream, n)
     return time_us
 
 

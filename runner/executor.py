@@ -64,7 +64,10 @@ class Execution:
         self.graph, self.nodes = graph, graph.node_by_name
         blocks, uses, self.block_of = plan_blocks(plan)
         self.offsets, self.arena_bytes = assign_offsets(blocks)
-        _check_cap(graph, plan, blocks, self.offsets)
+        persistent = [t for t in graph.tensors.values() if t.alias_of is None and t.persistent]
+        at = np.cumsum([0] + [aligned(t.bytes) for t in persistent])
+        self.persistent_bytes = int(at[-1])
+        _check_cap(plan, blocks, self.offsets, self.persistent_bytes)
         self.plan = add_reuse_waits(plan, blocks, uses, self.offsets)
         self.order = launch_order(self.plan)
         self.key = {id(op): ("op", i) for i, op in enumerate(self.plan.ops)}
@@ -86,9 +89,6 @@ class Execution:
         cp.get_default_memory_pool().free_all_blocks()
         self.free_before = cp.cuda.runtime.memGetInfo()[0]
         self.arena = _device_malloc(self.arena_bytes)
-        persistent = [t for t in graph.tensors.values() if t.alias_of is None and t.persistent]
-        at = np.cumsum([0] + [aligned(t.bytes) for t in persistent])
-        self.persistent_bytes = int(at[-1])
         base = _device_malloc(self.persistent_bytes)
         self.persistent = {t.name: strided_view(base + int(off), t.shape, t.dtype) for t, off in zip(persistent, at)}
         cp.cuda.Device().synchronize()
@@ -239,9 +239,8 @@ class Execution:
         return self.free_before - cp.cuda.runtime.memGetInfo()[0] - self.data_bytes
 
 
-def _check_cap(graph: Graph, plan: Plan, blocks, offsets: dict[str, int]) -> None:
+def _check_cap(plan: Plan, blocks, offsets: dict[str, int], persistent: int) -> None:
     """Refuse an arena that cannot fit under the plan's cap, naming the first tensor and instant that break it."""
-    persistent = sum(aligned(t.bytes) for t in graph.tensors.values() if t.alias_of is None and t.persistent)
     block = first_over(blocks, offsets, plan.totals.mem_cap_bytes - persistent)
     if block is not None:
         raise PlannerError(f"over the cap {fmt_bytes(plan.totals.mem_cap_bytes)}: {block.name.split('#')[0]!r} "

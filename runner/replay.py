@@ -27,6 +27,20 @@ from runner.validate import end_to_end, rounded, weights_op_by_op
 WARMUP = 3
 
 
+def timed_us(launch: Callable[[], None], stream, iterations: int) -> list[float]:
+    """`iterations` runs of `launch` (which enqueues on `stream`), each timed alone with CUDA events."""
+    cp = gpu().cp
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(iterations):
+        start.record(stream)
+        launch()
+        end.record(stream)
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+    return times
+
+
 def per_op_times(exe: Execution) -> tuple[dict[int, float], list[Check], list]:
     """Each op run alone: measured us by plan op index. Offloaded tensors are checked bit for bit on the way:
     what the d2h copy took from the device must be what the h2d copy put back. Also the graph nodes each item
@@ -91,7 +105,6 @@ def run_plan(graph: Graph, plan: Plan, plan_file: str, device_name: str, iterati
              eager: bool = False, check: bool = True, parameters: dict[str, np.ndarray] | None = None,
              on_trace: Callable[[dict], None] | None = None) -> RunReport:
     """Validate, time and measure a plan; `on_trace` receives the trace of one replay (graph mode only)."""
-    cp = gpu().cp
     values = reference.random_parameters(graph) | (parameters or {})
     host = rounded(graph, values | reference.random_inputs(graph))
     params = {k: host[k] for k in values}
@@ -103,14 +116,7 @@ def run_plan(graph: Graph, plan: Plan, plan_file: str, device_name: str, iterati
         checks += weights_op_by_op(exe, graph)
     for _ in range(WARMUP):
         launch()
-    times = []
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    for _ in range(iterations):
-        start.record(origin)
-        launch()
-        end.record(origin)
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+    times = timed_us(launch, origin, iterations)
     op_times, round_trips, nodes = per_op_times(exe)
     if on_trace and not eager:
         on_trace(replay_trace(replay, origin, nodes, plan))

@@ -42,13 +42,14 @@ def _check(tensor: str, what: str, got: np.ndarray, want: np.ndarray, tolerance:
     return Check(tensor=tensor, what=what, relative_error=err, tolerance=tolerance, passed=err <= tolerance)
 
 
-def _float64(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in values.items()}
+def _float64(x: np.ndarray) -> np.ndarray:
+    """Floats widened for the reference; integer tensors (labels) as they are."""
+    return x.astype(np.float64) if x.dtype.kind == "f" else x
 
 
 def end_to_end(exe: Execution, graph: Graph, host_values: dict[str, np.ndarray]) -> list[Check]:
     """After one iteration from `host_values`: the outputs, or the loss, against the reference."""
-    env = reference.run(graph, _float64(host_values), round_to_storage=True)
+    env = reference.run(graph, {k: _float64(v) for k, v in host_values.items()}, round_to_storage=True)
     tolerance = TOLERANCE[graph.dtype]
     if not graph.training:
         wanted = [(t, "output") for t in graph.outputs]
@@ -79,8 +80,7 @@ def weights_op_by_op(exe: Execution, graph: Graph) -> list[Check]:
         inputs = [cp.asnumpy(exe.array(("op", i), t)) for t in node.inputs]
         exe.issue_item(launch)
         sync()
-        want = reference.KERNELS[node.kind]([x.astype(np.float64) if x.dtype.kind == "f" else x for x in inputs],
-                                            node.attrs)
+        want = reference.KERNELS[node.kind]([_float64(x) for x in inputs], node.attrs)
         for t, w in zip(node.outputs, want):
             if t in checked:
                 checks.append(_check(t, checked[t], cp.asnumpy(exe.array(("op", i), t)),
