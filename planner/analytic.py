@@ -79,7 +79,7 @@ class ConvShape:
         """(M, N, K) of one group's GEMM: forward y = x_col w, data dx_col = dy w', filter dw = dy' x_col."""
         cg, kg = self.c // self.groups, self.k // self.groups
         pixels = self.n * self.p * self.q
-        if kind == "conv":
+        if kind in ("conv", "conv_fused"):
             return pixels, kg, cg * self.r * self.s
         if kind == "conv_bwd_data":
             return pixels, cg * self.r * self.s, kg
@@ -235,7 +235,7 @@ def conv_candidates(graph: Graph, node: Node, rates: Rates) -> tuple[list[Candid
             bins = fh * (fw // 2 + 1)
             transforms = 2.5 * fh * fw * math.log2(fh * fw) * (cs.n * cs.c + cs.k * cs.c + cs.n * cs.k)
             pointwise, blocks, grid = _padded_gemm(family, bins, *{
-                "conv": (cs.n, cs.k, cs.c), "conv_bwd_data": (cs.n, cs.c, cs.k), "conv_bwd_filter": (cs.k, cs.c, cs.n),
+                "conv": (cs.n, cs.k, cs.c), "conv_fused": (cs.n, cs.k, cs.c), "conv_bwd_data": (cs.n, cs.c, cs.k), "conv_bwd_filter": (cs.k, cs.c, cs.n),
             }[node.kind])
             work = 4 * pointwise + transforms  # complex multiply-add = 4 real ones
             workspace = fft_workspace_bytes(cs, itemsize)

@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 from planner import ops
 from planner.ops import conv_out_size, pool_out_size
 from planner.files import PlannerError
+from planner.fuse import fuse_conv_epilogues
 from planner.ir import Graph, Node, Tensor, finalize
 
 SUPPORTED = {
@@ -134,8 +135,10 @@ def import_onnx(
     dtype: str = "fp32",
     training: bool = False,
     input_hw: tuple[int, int] | None = None,
+    fuse: bool = True,
 ) -> Graph:
-    """Import an ONNX CNN as a forward Graph at a fixed batch size (training=True keeps training behaviour)."""
+    """Import an ONNX CNN as a forward Graph at a fixed batch size (training=True keeps training behaviour;
+    otherwise, with `fuse`, Conv -> Add -> ReLU chains become conv_fused ops, planner/fuse.py)."""
     if batch < 1:
         raise PlannerError(f"batch must be at least 1, got {batch}")
     if dtype not in ("fp32", "fp16"):
@@ -183,7 +186,7 @@ def import_onnx(
     for n in graph.nodes:
         n.flops = ops.flops(n.kind, [graph.tensors[t].shape for t in n.inputs],
                             [graph.tensors[t].shape for t in n.outputs], n.attrs)
-    return graph
+    return graph if training or not fuse else fuse_conv_epilogues(graph)
 
 
 def _has_typed_data(init: onnx.TensorProto) -> bool:

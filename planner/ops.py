@@ -67,6 +67,9 @@ def _k(name, doc, phase="forward", **kw):
 
 # forward
 _k("conv", "[x, w, b?] -> [y]: 2-D cross-correlation (ONNX Conv); attrs strides, pads [t,l,b,r], dilations, groups", flops=_conv_flops)
+_k("conv_fused", "[x, w, b?, z?] -> [y]: relu?(conv(x, w) + b + z): an inference Conv with the residual Add "
+   "(attr residual: z is the last input) and the ReLU (attr relu) that follow it, one op; other attrs as conv",
+   flops=lambda i, o, a: _conv_flops(i, o, a) + (a["residual"] + a["relu"]) * _numel(o[0]))
 _k("batchnorm", "[x, scale, bias, running_mean, running_var] -> [y] (training=False) or [y, running_mean', running_var', "
    "saved_mean, saved_invstd] (training=True: batch statistics, population variance, ONNX momentum rule, "
    "running stats updated in place); attrs epsilon, momentum, training", recomputable=True,

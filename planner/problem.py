@@ -197,7 +197,8 @@ def _tensor_uses(graph: Graph, index: dict[str, int]) -> list[TensorUse]:
 
 
 def _mark_choices(problem: Problem, graph: Graph, offload: bool, recompute: bool) -> None:
-    """Which tensors may be offloaded or recomputed: saved for backward, big enough, used in both phases."""
+    """Which tensors may be offloaded or recomputed: made in the forward pass (or graph inputs), saved for
+    backward, big enough."""
     if not problem.training:
         return
     dev = problem.device
@@ -206,8 +207,9 @@ def _mark_choices(problem: Problem, graph: Graph, offload: bool, recompute: bool
         offload = False
     for t in problem.tensors:
         late = [c for c in t.early if problem.ops[c].phase in ("backward", "update")]
-        if not late or t.bytes < MIN_OFFLOAD_BYTES or t.is_output:
-            continue
+        made_in_backward = t.producer is not None and problem.ops[t.producer].phase in ("backward", "update")
+        if not late or made_in_backward or t.bytes < MIN_OFFLOAD_BYTES or t.is_output:
+            continue  # a gradient is read in the phase it is made in: nothing idle to offload or recompute
         t.early = [c for c in t.early if c not in late]
         t.late = late
         t.can_offload = offload
@@ -226,7 +228,8 @@ MAX_CHAIN_OPS = 3
 def _mark_recompute(problem: Problem, graph: Graph, t: TensorUse) -> None:
     """A saved tensor is recomputable from the chain of cheap forward ops that made it, walked back until every
     input is a tensor kept for the backward pass anyway (or the chain is MAX_CHAIN_OPS long). BatchNormalization
-    in the chain is re-applied with its saved batch statistics (no running-stat update)."""
+    in the chain is re-applied with its saved batch statistics (no running-stat update). A chain that would
+    hold unsaved inputs as big as the tensor itself (an Add of two BatchNormalization outputs) is not offered."""
     by_name = {u.name: i for i, u in enumerate(problem.tensors)}
     saved = {i for i, u in enumerate(problem.tensors)
              if any(problem.ops[c].phase in ("backward", "update") for c in u.early + u.late)}
@@ -254,6 +257,9 @@ def _mark_recompute(problem: Problem, graph: Graph, t: TensorUse) -> None:
         if node.kind == "batchnorm" and node.attrs.get("training"):
             reads += [by_name[graph.storage_of(x)] for x in node.outputs[3:5] if graph.storage_of(x) in by_name]
         made |= set(problem.ops[op].writes)
+    held = sum(problem.tensors[r].bytes for r in reads if r not in saved)
+    if held >= t.bytes:  # the chain would hold unsaved inputs at least as big as what it frees
+        return
     fastest = [min(problem.ops[o].alternatives, key=lambda a: a.time_us) for o in chain]
     intermediate = sum(problem.tensors[w].bytes for o in chain[:-1] for w in problem.ops[o].writes)
     time_us = sum(a.time_us for a in fastest)

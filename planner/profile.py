@@ -23,7 +23,8 @@ class Kernel(BaseModel):
 
 
 class Counters(BaseModel):
-    """Nsight Compute readings (--counters)."""
+    """Nsight Compute readings (--counters), duration-weighted over the candidate's kernels: stalls in warps
+    stalled for that reason per issued instruction; throughputs in percent of the peak sustained rate."""
 
     stall_long_scoreboard: float = 0.0
     stall_barrier: float = 0.0
@@ -42,7 +43,6 @@ class Candidate(BaseModel):
     grid_blocks: int = 0
     sm_fraction: float = Field(1.0, description="share of the GPU's resident-block slots its grid fills (1 = nothing else fits)")
     dram_fraction: float = Field(0.0, description="minimum bytes moved / time / peak bandwidth")
-    stall_fraction: float = 0.0
     kernels: list[Kernel] = Field(default_factory=list)
     counters: Counters | None = None
 
@@ -99,12 +99,12 @@ class DeviceInfo(BaseModel):
         return "-".join(p.replace(" ", "_") for p in parts)
 
 
-CONV_KINDS = ("conv", "conv_bwd_data", "conv_bwd_filter")
+CONV_KINDS = ("conv", "conv_fused", "conv_bwd_data", "conv_bwd_filter")
 
 
 def conv_tensors(node) -> tuple[str, str, str]:
     """(x, w, y) tensor names of a conv-family op, whichever of them it reads or writes."""
-    if node.kind == "conv":
+    if node.kind in ("conv", "conv_fused"):
         return node.inputs[0], node.inputs[1], node.outputs[0]
     if node.kind == "conv_bwd_data":
         return node.outputs[0], node.inputs[1], node.inputs[0]
@@ -118,7 +118,8 @@ def describe_op(node, graph) -> str:
         stride = node.attrs.get("strides", [1, 1])[0]
         groups = node.attrs.get("groups", 1)
         text = f"{node.kind} {w[2]}x{w[3]}/s{stride} {x[1]}->{w[0]} {x[2]}x{x[3]} n{x[0]}"
-        return text + (f" g{groups}" if groups > 1 else "")
+        epilogue = "".join(f" +{k}" for k in ("residual", "relu") if node.attrs.get(k))
+        return text + (f" g{groups}" if groups > 1 else "") + epilogue
     shapes = [graph.tensors[t].shape for t in node.inputs]
     return f"{node.kind} " + " ".join("x".join(map(str, s)) or "scalar" for s in shapes)
 

@@ -84,6 +84,14 @@ def tradeoffs(profile: Profile) -> list[Tradeoff]:
     return sorted(found, key=lambda t: t.fastest_workspace_bytes - t.leanest_workspace_bytes, reverse=True)
 
 
+def counter_rows(profile: Profile) -> list[dict]:
+    """Every candidate with Nsight Compute readings (--counters), slowest op first."""
+    rows = [{"signature": op.signature, "describe": op.describe, "candidate": c.name, "time_us": c.time_us,
+             **c.counters.model_dump()}
+            for op in profile.ops.values() for c in op.candidates if c.counters is not None]
+    return sorted(rows, key=lambda r: -r["time_us"])
+
+
 def summary_json(profile: Profile) -> dict:
     return {
         "estimated": profile.estimated,
@@ -94,6 +102,7 @@ def summary_json(profile: Profile) -> dict:
         "ops": len(profile.ops),
         "kinds": [asdict(r) for r in summary_rows(profile)],
         "fastest_not_leanest": [asdict(t) for t in tradeoffs(profile)],
+        "counters": counter_rows(profile),
     }
 
 
@@ -116,6 +125,7 @@ def print_summary(profile: Profile, console: Console, as_json: bool = False) -> 
                       f"×{r.spread_median:.2f}, ×{r.spread_max:.2f}",
                       _range(r.workspace_min_bytes, r.workspace_max_bytes, fmt_bytes), str(r.fastest_not_leanest))
     console.print(table)
+    _print_counters(profile, console)
     found = tradeoffs(profile)
     if not found:
         console.print("every op's fastest candidate is also its leanest: no time-memory trade-offs")
@@ -128,4 +138,18 @@ def print_summary(profile: Profile, console: Console, as_json: bool = False) -> 
         table.add_row(t.describe or t.signature, f"{t.fastest} {t.fastest_us:.1f} us", fmt_bytes(t.fastest_workspace_bytes),
                       f"{t.leanest} {t.leanest_us:.1f} us", fmt_bytes(t.leanest_workspace_bytes),
                       f"{saved} for +{t.leanest_us - t.fastest_us:.1f} us")
+    console.print(table)
+
+
+def _print_counters(profile: Profile, console: Console) -> None:
+    rows = counter_rows(profile)
+    if not rows:
+        return
+    more = f", slowest {SHOW_TRADEOFFS} of {len(rows)}" if len(rows) > SHOW_TRADEOFFS else ""
+    table = Table("op", "candidate", "time", "SM %", "DRAM %", "long scoreboard", "barrier", "math throttle",
+                  title=f"Nsight Compute counters (stalls: warps per issued instruction){more}", title_justify="left")
+    for r in rows[:SHOW_TRADEOFFS]:
+        table.add_row(r["describe"] or r["signature"], r["candidate"][:40], f"{r['time_us']:.1f} us",
+                      f"{r['sm_throughput']:.0f}", f"{r['dram_throughput']:.0f}", f"{r['stall_long_scoreboard']:.2f}",
+                      f"{r['stall_barrier']:.2f}", f"{r['stall_math_pipe_throttle']:.2f}")
     console.print(table)

@@ -12,7 +12,7 @@ from typing import Callable
 from planner import cpsat
 from planner.files import PlannerError
 from planner.memsize import fmt_bytes
-from planner.heuristic import baseline, greedy_serial, list_schedule
+from planner.heuristic import baseline, fit_cap, list_schedule
 from planner.ir import Graph
 from planner.plan import Plan, Totals
 from planner.problem import SM_CAPACITY, Problem, build_problem
@@ -20,8 +20,16 @@ from planner.profile import Profile
 from planner.schedule import Schedule, peak_memory, timed
 from planner.streams import build_plan
 
+
+def device_bytes(graph: Graph, plan: Plan) -> int:
+    from runner.arena import device_bytes as arena_device_bytes  # pure Python; runner is imported lazily
+
+    return arena_device_bytes(graph, plan)
+
 EXIT_CAP_TOO_SMALL = 3
 LIST_SLACKS = (1.0, 1.1, 1.5, float("inf"))  # how much slower an alternative the list scheduler may take
+ARENA_STEP = 0.03  # a binding cap: the solver's cap is lowered in steps of 3% of the room above resident bytes
+ARENA_STEPS = 8  # ... until the runner's arena fits the user's cap
 
 
 class CapTooSmall(PlannerError):
@@ -91,7 +99,44 @@ def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options 
         plan = build_plan(graph, p, base, totals, 1)
         plan.totals.baseline_makespan_us = plan.totals.makespan_us
         return plan
-    hint = best_heuristic(p, cap_bytes, options.streams)
+    if base_peak <= cap_bytes:  # the cap does not bind: nothing to fit
+        return _solve_under(graph, p, cap_bytes, base, base_peak, options, on_progress,
+                            best_heuristic(p, cap_bytes, options.streams))
+    target, hint = _arena_fit(graph, p, cap_bytes, options.streams)
+    plan = _solve_under(graph, p, target, base, base_peak, options, on_progress, hint,
+                        fits=lambda plan: device_bytes(graph, plan) <= cap_bytes)
+    if target < cap_bytes:
+        plan.totals.status += f"; solved under {fmt_bytes(target)} so that the runner's arena fits the cap"
+    plan.totals.mem_cap_bytes = cap_bytes
+    return plan
+
+
+def _arena_fit(graph: Graph, p: Problem, cap_bytes: int, streams: int) -> tuple[int, Schedule]:
+    """The largest solver cap, stepping down from the user's, whose heuristic plan the runner can lay out
+    within the user's cap: placement leaves gaps (3-5% over the peak on capped training plans, more as
+    offloads multiply), so a plan whose peak meets the cap exactly may not fit as an arena."""
+    room = cap_bytes - p.resident_bytes
+    for k in range(ARENA_STEPS):
+        target = cap_bytes - int(k * ARENA_STEP * room)
+        hint = best_heuristic(p, target, streams)
+        if hint is None:
+            break
+        if device_bytes(graph, _plan_of(graph, p, hint, target, streams)) <= cap_bytes:
+            return target, hint
+    raise CapTooSmall(f"no plan found whose arena fits the cap {fmt_bytes(cap_bytes)} (placement needs room "
+                      f"beyond the peak; tried solver caps down to {fmt_bytes(target)}); try a larger cap", cap_bytes)
+
+
+def _plan_of(graph: Graph, p: Problem, schedule: Schedule, cap_bytes: int, streams: int) -> Plan:
+    totals = Totals(makespan_us=0.0, peak_bytes=0, mem_cap_bytes=cap_bytes, lower_bound_us=0.0,
+                    baseline_makespan_us=0.0, status="", gap=0.0, solve_time_s=0.0)
+    return build_plan(graph, p, schedule, totals, streams)
+
+
+def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_peak: int, options: Options,
+                 on_progress, hint: Schedule | None, fits: Callable[[Plan], bool] = lambda plan: True) -> Plan:
+    """CP-SAT from the heuristic hint under `cap_bytes`; the better schedule as a plan (the hint's when CP-SAT's
+    does not `fit`)."""
     horizon = hint.makespan(p) if hint else _loose_horizon(p)
     bounds = lower_bounds_us(p, options.streams)
     tick = p.tick_us
@@ -112,21 +157,26 @@ def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options 
                     bounds_us=bounds, solver_makespan_us=schedule.makespan(p) * tick,
                     baseline_makespan_us=sum(o.alternatives[a].time_us for o, a in zip(p.ops, base.alt)),
                     baseline_peak_bytes=base_peak, status=status, gap=0.0, solve_time_s=result.wall_s)
-    return build_plan(graph, p, schedule, totals, options.streams)
+    plan = build_plan(graph, p, schedule, totals, options.streams)
+    if schedule is not hint and hint is not None and not fits(plan):
+        totals.status, totals.solver_makespan_us = f"heuristic (CP-SAT's {status} schedule packs worse)", hint.makespan(p) * tick
+        plan = build_plan(graph, p, hint, totals, options.streams)
+    return plan
 
 
 def best_heuristic(p: Problem, cap_bytes: int, streams: int) -> Schedule | None:
-    """The shortest of the greedy serial schedule and its multi-stream list schedules that fits the cap."""
-    greedy, greedy_peak = greedy_serial(p, cap_bytes)
-    if greedy_peak > cap_bytes:
+    """The keep/offload/recompute decisions of heuristic.fit_cap, list-scheduled at each of LIST_SLACKS: the
+    shortest that fits the cap (checked again on the schedule's own residencies), or None."""
+    fitted = fit_cap(p, cap_bytes, streams)
+    if fitted is None:
         return None
-    best = greedy
+    best = None
     for slack in LIST_SLACKS:
-        parallel = list_schedule(p, greedy, streams, slack)
-        if parallel is not None and parallel.makespan(p) < best.makespan(p):
-            if peak_memory(p, parallel.decision, timed(p, parallel))[0] <= cap_bytes:
-                best = parallel
-    return best
+        out = fitted if slack == 1.0 else list_schedule(p, cap_bytes, streams, fitted.schedule.decision, slack)
+        if out.fits and (best is None or out.makespan < best.makespan):
+            if peak_memory(p, out.schedule.decision, timed(p, out.schedule))[0] <= cap_bytes:
+                best = out
+    return best.schedule if best else None
 
 
 def _loose_horizon(p: Problem) -> int:

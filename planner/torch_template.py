@@ -11,7 +11,8 @@ between them (CUDA events), and, for training, which saved activations go to pin
 pass and come back before backward (saved-tensor hooks with side-stream copies, prefetched when backward reaches
 the op the plan names).
 What PyTorch cannot express, so this module does not do: choosing a specific cuDNN engine (PyTorch picks its own;
-cudnn.benchmark is enabled), an op's workspace size, the plan's streams for backward ops (autograd runs each
+cudnn.benchmark is enabled), running a conv's bias, residual add and ReLU inside its kernel (a fused op
+runs here as separate kernels), an op's workspace size, the plan's streams for backward ops (autograd runs each
 backward op on the stream of its forward op), recomputation of dropped tensors (run the plan with `planner run`),
 and a fixed arena of device memory (PyTorch's caching allocator is used).
 """
@@ -54,6 +55,14 @@ def _conv(x, w, b=None, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), gro
     return F.conv2d(_pad(x, pads), w, b, strides, 0, dilations, groups)
 
 
+def _conv_fused(ins, residual, relu, **conv_attrs):
+    """Conv + bias [+ residual] [+ ReLU]: PyTorch runs the parts as separate kernels."""
+    y = _conv(*ins[:len(ins) - residual], **conv_attrs)
+    if residual:
+        y = y + ins[-1]
+    return F.relu(y) if relu else y
+
+
 def _maxpool(x, kernel, strides, pads, dilations, ceil_mode):
     if _symmetric(pads) and pads[0] * 2 <= kernel[0] and pads[1] * 2 <= kernel[1]:
         return F.max_pool2d(x, kernel, strides, (pads[0], pads[1]), dilations, bool(ceil_mode))
@@ -86,6 +95,7 @@ def _dropout(x, ratio, seed):
 
 KERNELS = {
     "conv": lambda net, ins, a: _conv(*ins, **a),
+    "conv_fused": lambda net, ins, a: _conv_fused(ins, **a),
     "relu": lambda net, ins, a: F.relu(ins[0]),
     "clip": lambda net, ins, a: torch.clamp(ins[0], a["min"], a["max"]),
     "sigmoid": lambda net, ins, a: torch.sigmoid(ins[0]),

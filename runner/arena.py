@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.files import PlannerError
+from planner.ir import Graph, Tensor
 from planner.plan import Plan
 
 ALIGN_BYTES = 256  # cudaMalloc's alignment; cuDNN and cuBLAS want at least 16 bytes
@@ -58,6 +59,18 @@ def assign_offsets(blocks: list[Block]) -> tuple[dict[str, int], int]:
     arena = max((off + sz for _, off, sz in placed), default=0)
     check_offsets(blocks, offsets)
     return offsets, arena
+
+
+def persistent_tensors(graph: Graph) -> list[Tensor]:
+    """Weights, state, weight gradients, optimizer state: one allocation of their own, outside the arena."""
+    return [t for t in graph.tensors.values() if t.alias_of is None and t.persistent]
+
+
+def device_bytes(graph: Graph, plan: Plan) -> int:
+    """What the runner allocates for a plan: the arena its offsets need plus the aligned persistent tensors. The
+    arena can exceed the plan's peak (placement is not perfect), which is why the solver checks this number."""
+    _, arena = assign_offsets(plan_blocks(plan)[0])
+    return arena + sum(aligned(t.bytes) for t in persistent_tensors(graph))
 
 
 def first_over(blocks: list[Block], offsets: dict[str, int], limit_bytes: int) -> Block | None:

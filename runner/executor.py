@@ -20,7 +20,7 @@ from planner.files import PlannerError
 from planner.ir import Graph
 from planner.memsize import fmt_bytes
 from planner.plan import Copy, Plan, ScheduledOp
-from runner.arena import add_reuse_waits, aligned, assign_offsets, first_over, plan_blocks
+from runner.arena import add_reuse_waits, aligned, assign_offsets, first_over, persistent_tensors, plan_blocks
 from runner.gpu import gpu
 from runner.launch_order import launch_order
 from runner.ops import build_op
@@ -64,7 +64,7 @@ class Execution:
         self.graph, self.nodes = graph, graph.node_by_name
         blocks, uses, self.block_of = plan_blocks(plan)
         self.offsets, self.arena_bytes = assign_offsets(blocks)
-        persistent = [t for t in graph.tensors.values() if t.alias_of is None and t.persistent]
+        persistent = persistent_tensors(graph)
         at = np.cumsum([0] + [aligned(t.bytes) for t in persistent])
         self.persistent_bytes = int(at[-1])
         _check_cap(plan, blocks, self.offsets, self.persistent_bytes)

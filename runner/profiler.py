@@ -1,10 +1,11 @@
 """Entry points `planner profile` uses on a GPU."""
 
 from planner.devices import BUILTIN
+from runner.counters import read_counters
 from runner.measure import measure_ops
 from runner.probe import probe_device as _probe
 
-__all__ = ["measure_ops", "probe_device"]
+__all__ = ["measure_ops", "probe_device", "read_counters"]
 
 
 def probe_device():

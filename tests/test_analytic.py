@@ -49,7 +49,10 @@ def conv_graph(kind="conv", n=8, c=64, h=28, w=28, k=64, r=3, s=3, stride=1, pad
     q = (w + 2 * pad - dilation * (s - 1) - 1) // stride + 1
     x, wt, y = [n, c, h, w], [k, c // groups, r, s], [n, k, p, q]
     attrs = {"strides": [stride, stride], "pads": [pad] * 4, "dilations": [dilation, dilation], "groups": groups}
-    ins, outs = {"conv": ([x, wt], [y]), "conv_bwd_data": ([y, wt], [x]), "conv_bwd_filter": ([x, y], [wt])}[kind]
+    ins, outs = {"conv": ([x, wt], [y]), "conv_fused": ([x, wt, [k], y], [y]), "conv_bwd_data": ([y, wt], [x]),
+                 "conv_bwd_filter": ([x, y], [wt])}[kind]
+    if kind == "conv_fused":
+        attrs |= {"residual": True, "relu": True}
     return one_op_graph(kind, ins, outs, attrs, dtype)
 
 
@@ -101,7 +104,7 @@ ATTRS = {"lrn": {"size": 5}, "lrn_bwd": {"size": 5}, "maxpool": {"kernel": [3, 3
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_every_op_kind_is_covered(kind):
-    if kind in ("conv", "conv_bwd_data", "conv_bwd_filter"):
+    if kind in ("conv", "conv_fused", "conv_bwd_data", "conv_bwd_filter"):
         graph = conv_graph(kind)
     else:
         ins, outs = ELEMENTWISE_SHAPES.get(kind, ([[2, 8, 4, 4], [2, 8, 4, 4]], [[2, 8, 4, 4]]))
@@ -114,6 +117,16 @@ def test_every_op_kind_is_covered(kind):
         assert [(c.name, c.time_us) for c in op.candidates] == [("view", 0.0)]
     else:
         assert [c.name for c in op.candidates] == [f"cupy:{kind}"]
+
+
+def test_fused_conv_costs_its_epilogue_traffic():
+    """A conv with a residual read and a ReLU is never cheaper than the bare conv, family by family."""
+    bare, _ = candidates(conv_graph("conv", n=32, h=56, w=56))
+    fused, op = candidates(conv_graph("conv_fused", n=32, h=56, w=56))
+    assert set(fused) == set(bare) and op.describe.endswith("+residual +relu")
+    for name in bare:
+        assert fused[name].time_us >= bare[name].time_us
+        assert fused[name].workspace_bytes == bare[name].workspace_bytes
 
 
 GROW = {"n": 2, "c": 2, "k": 2, "h": 2, "w": 2}

@@ -101,6 +101,10 @@ CASES = [
     ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "grad_unscale": 1 / 1024}, [(6, 4, 3, 3)] * 3),
     ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}, [(6,)] * 3),
     ("conv", CONV, [(2, 4, 9, 7), (6, 4, 3, 3)]), ("conv", CONV_S2, [(2, 4, 9, 7), (6, 4, 3, 3), (6,)]),
+    ("conv_fused", {**CONV, "residual": False, "relu": True}, [(2, 4, 9, 7), (6, 4, 3, 3), (6,)]),
+    ("conv_fused", {**CONV, "residual": True, "relu": True}, [(2, 4, 9, 7), (6, 4, 3, 3), (6,), (2, 6, 9, 7)]),
+    ("conv_fused", {**CONV_S2, "residual": True, "relu": False}, [(2, 4, 9, 7), (6, 4, 3, 3), (2, 6, 4, 3)]),
+    ("conv_fused", {**CONV, "residual": True, "relu": True}, [(4, 32, 14, 14), (64, 32, 3, 3), (64,), (4, 64, 14, 14)]),
     ("conv_bwd_data", {**CONV, "x_shape": [2, 4, 9, 7]}, [(2, 6, 9, 7), (6, 4, 3, 3)]),
     ("conv_bwd_filter", {**CONV, "w_shape": [6, 4, 3, 3]}, [(2, 4, 9, 7), (2, 6, 9, 7)]),
 ]
@@ -218,6 +222,17 @@ def test_batchnorm_offers_cupy_and_cudnn(gpu_ctx, dtype):
         op = run_case(gpu_ctx, kind, attrs, shapes, dtype)
         names = [n for n, _ in op.candidates]
         assert names[0] == "cupy_reduce" and any(n.startswith("cudnn:") for n in names), (names, op.unsupported)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_fused_conv_offers_fused_and_unfused_engines(gpu_ctx, dtype):
+    """At a layer-like shape cuDNN fuses bias, residual and ReLU into the conv: both kinds of candidate exist
+    (run_case checks each against the reference)."""
+    case = next(c for c in CASES if c[0] == "conv_fused" and c[2][0][1] == 32)
+    op = run_case(gpu_ctx, *case, dtype)
+    prefixes = {n.split(":")[0] for n, _ in op.candidates}
+    assert prefixes == {"fused", "unfused"}, op.unsupported
 
 
 def _small_training_model(tmp_path: Path) -> Path:

@@ -65,3 +65,23 @@ def test_inception_block_training_profile(tmp_path, dtype):
     handle = gpu().cudnn.create_handle()
     names = [c[1] for c in ConvOp("conv", node.attrs, x, w, y, dtype, handle).candidates]
     assert {c.name for c in profiles[node.signature].candidates} <= set(names)
+
+
+def test_inception_block_inference_profile_fuses(tmp_path):
+    """Inference: each Conv+ReLU is one conv_fused op, measured over fused and unfused engines; a kept
+    candidate's name rebuilds exactly that candidate."""
+    from runner.gpu import gpu
+    from runner.ops import build_op
+    from runner.profiler import measure_ops, probe_device
+
+    graph = import_onnx(_inception(tmp_path), batch=8, dtype="fp16")
+    fused = list({n.signature: n for n in graph.nodes if n.kind == "conv_fused"}.values())
+    assert len(fused) == 5 and "relu" not in {n.kind for n in graph.nodes}  # b1 and b4 share a signature
+    profiles = list(measure_ops(graph, fused, probe_device()))
+    for node, prof in zip(fused, profiles):
+        assert not prof.estimated and prof.measured_count >= 2, (node.name, prof.unsupported)
+    handle = gpu().cudnn.create_handle()
+    for node, prof in zip(fused, profiles):
+        for c in prof.candidates[:2]:
+            op = build_op(graph, node, handle, algorithm=c.name)
+            assert c.name in [name for name, _ in op.candidates]

@@ -13,6 +13,7 @@ from planner.onnx_import import UnsupportedOps, import_onnx
 
 MODELS = Path(__file__).parent / "models"
 ALL_MODELS = sorted(p.name for p in MODELS.glob("*.onnx"))
+CONVS = {"conv", "conv_fused"}
 CNNS = {"googlenet", "inception_v3", "resnet50", "resnext50", "densenet121", "mobilenet_v2", "squeezenet"}
 
 
@@ -33,9 +34,9 @@ def test_shipped_models_import(name, training):
     assert logits.shape == [4, 1000]
     assert g.tensors[g.inputs[0]].shape[0] == 4
     kinds = {n.kind for n in g.nodes}
-    assert "conv" in kinds
+    assert kinds & CONVS
     # folded and dropped: nothing shape-computing or Identity survives
-    assert kinds <= {"conv", "batchnorm", "relu", "clip", "maxpool", "avgpool", "globalavgpool", "concat", "add",
+    assert kinds <= {"conv", "conv_fused", "batchnorm", "relu", "clip", "maxpool", "avgpool", "globalavgpool", "concat", "add",
                      "gemm", "reshape", "dropout"}
     with_dropout = ("googlenet", "inception_v3", "mobilenet_v2", "squeezenet")
     assert ("dropout" in kinds) == (training and ".train" in name and name.startswith(with_dropout))
@@ -63,16 +64,56 @@ def test_googlenet_shapes_and_weight_count():
     assert sum(t.numel for t in train.tensors.values() if t.role == "weight") == 6_624_904  # torchvision's count
     g = import_onnx(MODELS / "googlenet.onnx", batch=2)
     params = sum(t.numel for t in g.tensors.values() if t.role == "weight")
-    bn_channels = sum(g.tensors[n.outputs[0]].shape[1] for n in g.nodes if n.kind == "conv")
+    bn_channels = sum(g.tensors[n.outputs[0]].shape[1] for n in g.nodes if n.kind in CONVS)
     assert params == 6_624_904 - bn_channels  # BN folded: one bias per channel instead of scale and shift
     concat_outs = [g.tensors[n.outputs[0]].shape for n in g.nodes if n.kind == "concat"]
     assert concat_outs[0] == [2, 256, 28, 28] and concat_outs[-1] == [2, 1024, 7, 7]
 
 
+def test_inference_fuses_conv_residual_relu():
+    """Every ReLU of torchvision's GoogLeNet/ResNet-50 follows a Conv (or a Conv's residual Add): all fused."""
+    g = import_onnx(MODELS / "resnet50.onnx", batch=2)
+    fused = [n for n in g.nodes if n.kind == "conv_fused"]
+    assert {n.kind for n in g.nodes}.isdisjoint({"conv", "relu", "add"})
+    assert sum(n.attrs["residual"] for n in fused) == 16 and sum(n.attrs["relu"] for n in fused) == 49
+    for n in fused:
+        assert len(n.inputs) == 3 + n.attrs["residual"]  # x, w, folded-BN bias, residual
+        if n.attrs["residual"]:
+            z = g.tensors[n.inputs[-1]]
+            assert z.shape == g.tensors[n.outputs[0]].shape and g.node_by_name[z.producer].name != n.name
+    unfused = import_onnx(MODELS / "resnet50.onnx", batch=2, fuse=False)
+    assert sum(n.flops for n in g.nodes) == sum(n.flops for n in unfused.nodes)
+    assert len(unfused.nodes) - len(g.nodes) == 16 + 49
+
+
+def test_fused_graph_computes_what_the_unfused_one_does(tmp_path):
+    """conv -> add -> relu and a second conv feeding the add: the reference gives the same output either way."""
+    from planner.reference import run
+
+    rng = np.random.default_rng(0)
+    w1, w2 = rng.standard_normal((4, 3, 3, 3)), rng.standard_normal((4, 3, 1, 1))
+    b1, b2 = rng.standard_normal(4), rng.standard_normal(4)
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["x", "w2", "b2"], ["c2"]),
+             helper.make_node("Add", ["c1", "c2"], ["s"]), helper.make_node("Relu", ["s"], ["y"])]
+    inits = [numpy_helper.from_array(v.astype(np.float32), n) for n, v in
+             (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2))]
+    path = _save(tmp_path, nodes, inits)
+    fused, plain = import_onnx(path, batch=2), import_onnx(path, batch=2, fuse=False)
+    assert [n.kind for n in fused.nodes] == ["conv_fused", "conv_fused"]
+    assert [n.attrs["residual"] for n in fused.nodes] == [False, True]
+    x = rng.standard_normal((2, 3, 8, 8))
+    values = {"w1": w1, "w2": w2, "b1": b1, "b2": b2}
+    got = run(fused, {"x": x, **values})["y"]
+    want = run(plain, {"x": x, **values})["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert (want == 0).any() and (want > 0).any()
+
+
 def test_fp16_halves_activation_and_weight_bytes_but_not_bn_params():
     g32 = import_onnx(MODELS / "resnet50.train.onnx", batch=2, dtype="fp32", training=True)
     g16 = import_onnx(MODELS / "resnet50.train.onnx", batch=2, dtype="fp16", training=True)
-    conv_w = next(n.inputs[1] for n in g16.nodes if n.kind == "conv")
+    conv_w = next(n.inputs[1] for n in g16.nodes if n.kind in CONVS)
     assert g16.tensors[conv_w].bytes * 2 == g32.tensors[conv_w].bytes
     bn = next(n for n in g16.nodes if n.kind == "batchnorm")
     assert g16.tensors[bn.inputs[1]].dtype == "fp32"
@@ -80,10 +121,10 @@ def test_fp16_halves_activation_and_weight_bytes_but_not_bn_params():
 
 def test_identical_layers_share_a_signature():
     g = import_onnx(MODELS / "resnet50.onnx", batch=8)
-    sigs = [n.signature for n in g.nodes if n.kind == "conv"]
+    sigs = [n.signature for n in g.nodes if n.kind in CONVS]
     assert len(set(sigs)) < len(sigs)  # the repeated bottleneck blocks
     g2 = import_onnx(MODELS / "resnext50.op17.onnx", batch=8)
-    assert {n.signature for n in g.nodes if n.kind == "conv"} != {n.signature for n in g2.nodes if n.kind == "conv"}
+    assert {n.signature for n in g.nodes if n.kind in CONVS} != {n.signature for n in g2.nodes if n.kind in CONVS}
 
 
 def test_training_mode_bn_and_dropout():
@@ -102,7 +143,7 @@ def test_training_mode_bn_and_dropout():
 
 def test_exporter_deduplicated_weights_are_untied():
     g = import_onnx(MODELS / "resnet50.onnx", batch=1)
-    weights = [n.inputs[1] for n in g.nodes if n.kind == "conv"]
+    weights = [n.inputs[1] for n in g.nodes if n.kind in CONVS]
     assert len(set(weights)) == len(weights)
 
 
@@ -111,7 +152,7 @@ def test_mobilenet_relu6_constants_folded():
     clips = [n for n in g.nodes if n.kind == "clip"]
     assert clips and all(n.attrs == {"min": 0.0, "max": 6.0} for n in clips)
     assert all(len(n.inputs) == 1 for n in clips)
-    groups = {n.attrs["groups"] for n in g.nodes if n.kind == "conv"}
+    groups = {n.attrs["groups"] for n in g.nodes if n.kind in CONVS}
     assert max(groups) > 1  # depthwise convolutions
 
 
@@ -141,7 +182,7 @@ def test_auto_pad_and_shape_subgraph_folding(tmp_path):
     ]
     zero = numpy_helper.from_array(np.array([0], np.int64), "zero")
     g = import_onnx(_save(tmp_path, nodes, [w, zero]), batch=3)
-    conv = next(n for n in g.nodes if n.kind == "conv")
+    conv = next(n for n in g.nodes if n.kind in CONVS)
     assert conv.attrs["pads"] == [0, 0, 1, 1]  # SAME_UPPER puts the odd pad at the end
     assert g.tensors["c"].shape == [3, 4, 4, 4]
     assert [n.kind for n in g.nodes] == ["conv", "reshape"]

@@ -18,7 +18,9 @@ from planner.files import PlannerError
 from planner.ir import Graph
 from planner.memsize import parse_size, parse_sizes
 from planner.onnx_import import import_onnx
-from planner.problem import Alternative, Op, Problem, TensorUse
+from planner.heuristic import fit_cap, list_schedule
+from planner.problem import Alternative, Op, Problem, TensorUse, build_problem
+from planner.schedule import peak_memory, timed
 from planner.solve import CapTooSmall, Options, best_heuristic, solve_plan
 from planner.stats import serial_peak_bytes
 from planner.streams import build_plan
@@ -188,3 +190,74 @@ def test_memory_sizes():
             parse_size(bad, device_bytes=1000)
     with pytest.raises(PlannerError):
         parse_size("10%")
+
+
+def _plan_of(p: Problem, schedule, cap: int):
+    totals = Totals(makespan_us=0, peak_bytes=0, mem_cap_bytes=cap, lower_bound_us=0, baseline_makespan_us=1,
+                    status="heuristic", gap=0, solve_time_s=0)
+    return build_plan(EMPTY, p, schedule, totals, 4)
+
+
+def chain_problem(depth: int) -> Problem:
+    """A training chain: forward ops f_i write saved activations a_i (1000 bytes, read again by b_i), backward
+    ops b_i (reverse order) write gradients g_i (100 bytes). Keeping every a_i needs depth * 1000 bytes at the
+    turn; an a_i is offloadable (2-tick copies) and, when made from a kept a_(i-1), recomputable (1 tick)."""
+    alt = lambda d: [Alternative("a", d, d, 0, 100)]
+    ops = [Op(f"f{i}", "relu", "forward", alt(4), [i - 1] if i else []) for i in range(depth)]
+    ops += [Op(f"b{i}", "relu", "backward", alt(4), [len(ops) + k - 1] if k else [depth - 1])
+            for k, i in enumerate(reversed(range(depth)))]
+    back = {i: depth + k for k, i in enumerate(reversed(range(depth)))}
+    tensors = []
+    for i in range(depth):
+        early = [i + 1] if i + 1 < depth else []
+        t = TensorUse(f"a{i}", 1000, i, early, [back[i]], False, can_offload=True, d2h_ticks=2, h2d_ticks=2,
+                      d2h_us=2.0, h2d_us=2.0)
+        if i:
+            t.can_recompute, t.recompute = True, Alternative("r", 1.0, 1, 0, 100)
+            t.recompute_chain, t.recompute_reads = [i], [i - 1]
+        tensors.append(t)
+    for k, i in enumerate(reversed(range(depth))):
+        nxt = [back[i] + 1] if i else []
+        tensors.append(TensorUse(f"g{i}", 100, back[i], nxt, [], is_output=not nxt))
+    for t_i, t in enumerate(tensors):
+        ops[t.producer].writes.append(t_i)
+        for c in t.early + t.late:
+            ops[c].reads.append(t_i)
+    return Problem("chain", True, ops, tensors, resident_bytes=50, tick_us=1.0, device=H100, estimated=True)
+
+
+@pytest.mark.parametrize("depth,cap", [(6, 3500), (6, 2600), (10, 4000)])
+def test_a_cap_below_keeping_everything_offloads_or_recomputes_and_checks(depth, cap):
+    p = chain_problem(depth)
+    assert not list_schedule(p, cap, 4, {}).fits  # every a_i is alive at the turn: the cap forces decisions
+    fitted = fit_cap(p, cap, 4)
+    assert fitted is not None and fitted.fits and fitted.schedule.decision
+    assert peak_memory(p, fitted.schedule.decision, timed(p, fitted.schedule))[0] <= cap
+    plan = _plan_of(p, fitted.schedule, cap)
+    report = check_plan(plan)
+    assert report.ok, report.violations
+    assert plan.totals.peak_bytes <= cap
+    result = cpsat.solve(p, cap, 4, fitted.makespan, time_limit_s=5, workers=2, hint=fitted.schedule)
+    assert result.schedule is not None and result.schedule.makespan(p) <= fitted.makespan  # the hint is taken
+
+
+@pytest.mark.parametrize("model,batch", [("squeezenet.train.op17.onnx", 8), ("mobilenet_v2.train.op17.onnx", 4)])
+def test_heuristic_fits_half_the_serial_peak_of_a_training_graph(model, batch):
+    """At half the serial peak the old greedy serial schedule stalled above the cap (its offload copies could
+    not finish before the forward pass's end); the memory-aware list schedule waits for them or recomputes."""
+    g = build_training(import_onnx(MODELS / model, batch=batch, dtype="fp16", training=True))
+    p = build_problem(g, estimate_profile(g, H100))
+    cap = serial_peak_bytes(g) // 2
+    schedule = best_heuristic(p, cap, 4)
+    assert schedule is not None and schedule.decision
+    plan = _plan_of(p, schedule, cap)
+    report = check_plan(plan)
+    assert report.ok, report.violations
+    assert plan.totals.peak_bytes <= cap
+
+
+def test_only_forward_tensors_are_offloaded_or_recomputed(googlenet_train_b1):
+    p = build_problem(googlenet_train_b1, estimate_profile(googlenet_train_b1, H100))
+    choosable = [t for t in p.tensors if t.choosable]
+    assert choosable and all(t.producer is None or p.ops[t.producer].phase == "forward" for t in choosable)
+    assert all(t.early or t.producer is None for t in choosable)

@@ -175,7 +175,7 @@ def test_report_rows_json_and_table(tmp_path, resnet):
     profile = load_model(Profile, tmp_path / "p.json")
     data = summary_json(profile)
     assert data["estimated"] is True and data["ops"] == len(profile.ops)
-    conv = next(r for r in data["kinds"] if r["kind"] == "conv")
+    conv = next(r for r in data["kinds"] if r["kind"] == "conv_fused")
     assert conv["candidates_min"] >= 3 and conv["spread_max"] >= conv["spread_median"] >= 1
     assert conv["workspace_min_bytes"] == 0 < conv["workspace_max_bytes"]
     assert len(data["fastest_not_leanest"]) == sum(r["fastest_not_leanest"] for r in data["kinds"]) > 0

@@ -29,6 +29,14 @@ def conv(inputs, attrs):
     return [y]
 
 
+def conv_fused(inputs, attrs):
+    """relu?(conv(x, w) + b + z): the residual z, when there is one, is the last input."""
+    z = inputs[-1] if attrs["residual"] else 0.0
+    (y,) = conv(inputs[:len(inputs) - attrs["residual"]], attrs)
+    y = y + z
+    return [np.maximum(y, 0.0) if attrs["relu"] else y]
+
+
 def conv_bwd_data(inputs, attrs):
     dy, w = inputs
     g = attrs["groups"]
@@ -59,4 +67,4 @@ def bias_grad(inputs, attrs):
     return [dy.sum(axis=axes)]
 
 
-KERNELS = {"conv": conv, "conv_bwd_data": conv_bwd_data, "conv_bwd_filter": conv_bwd_filter, "bias_grad": bias_grad}
+KERNELS = {"conv": conv, "conv_fused": conv_fused, "conv_bwd_data": conv_bwd_data, "conv_bwd_filter": conv_bwd_filter, "bias_grad": bias_grad}

@@ -124,35 +124,23 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-// blockDim.x a multiple of 32; every thread gets the block's total
-__device__ float block_sum(float v) {
+// blockDim.x a multiple of 32; every thread gets the block's total (MAX: the block's maximum)
+template <bool MAX> __device__ float block_reduce(float v) {
     __shared__ float part[32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    v = MAX ? warp_max(v) : warp_sum(v);
     if (lane == 0) part[warp] = v;
     __syncthreads();
-    v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
-    if (warp == 0) v = warp_sum(v);
+    v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : (MAX ? NEG_INF : 0.f);
+    if (warp == 0) v = MAX ? warp_max(v) : warp_sum(v);
     if (threadIdx.x == 0) part[0] = v;
     __syncthreads();
     v = part[0];
     __syncthreads();
     return v;
 }
-__device__ float block_max(float v) {
-    __shared__ float part[32];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : NEG_INF;
-    if (warp == 0) v = warp_max(v);
-    if (threadIdx.x == 0) part[0] = v;
-    __syncthreads();
-    v = part[0];
-    __syncthreads();
-    return v;
-}
+__device__ float block_sum(float v) { return block_reduce<false>(v); }
+__device__ float block_max(float v) { return block_reduce<true>(v); }
 """
 
 

@@ -1,5 +1,10 @@
-"""Convolutions (forward, data gradient, weight gradient) as cuDNN frontend graphs, every engine config a
-candidate. Tensors are channels-last (NHWC) in memory with logical NCHW dims, as cuDNN's fastest engines want.
+"""Convolutions (forward, data gradient, weight gradient, and the fused inference op conv_fused) as cuDNN
+frontend graphs, every engine config a candidate. Tensors are channels-last (NHWC) in memory with logical NCHW
+dims, as cuDNN's fastest engines want.
+
+conv_fused (conv + bias [+ residual] [+ ReLU]) has two kinds of candidates: `fused:<plan>`, one cuDNN graph
+whose engines apply the epilogue inside the conv kernel, and `unfused:<plan>`, any conv plan followed by one
+epilogue kernel (precompiled conv engines outnumber fused ones, and one of them may still win).
 """
 
 from __future__ import annotations
@@ -7,10 +12,22 @@ from __future__ import annotations
 from functools import partial
 
 from runner.gpu import cudnn_dtype, gpu
-from runner.ops.common import WANTED_ALGORITHM, check_index_range
-from runner.ops.reduce import channel_bias_add
+from runner.ops.common import THREADS, WANTED_ALGORITHM, Alternatives, blocks_for, check_index_range, i32, kernel
 
 CONV_KINDS = ("conv", "conv_bwd_data", "conv_bwd_filter")
+
+SRC = r"""
+// in place after a conv plan: y = relu?(y + b[c] + z), the channel c the last physical dim
+extern "C" __global__ void conv_epilogue(T* y, const T* b, const T* z, int n, int C, int has_bias, int has_z,
+                                         int relu) {
+    GRID_LOOP(i, n) {
+        float v = ld(y, i);
+        if (has_bias) v += ld(b, i % C);
+        if (has_z) v += ld(z, i);
+        st(y, i, relu && v < 0.f ? 0.f : v);
+    }
+}
+"""
 
 
 def nhwc_strides(dims: list[int]) -> list[int]:
@@ -35,7 +52,7 @@ def build_plans(g, max_plans: int | None = None) -> tuple[list[tuple[int, str, i
             names = [g.get_plan_name_at_index(i) for i in range(count)]
         except Exception:  # noqa: BLE001 - names only after building: build them all below
             names = []
-        plan = wanted.removeprefix("cudnn:")
+        plan = wanted.split(":", 1)[-1]  # candidate names may carry an implementation prefix
         if plan in names:
             i = names.index(plan)
             g.build_plan_at_index(i)
@@ -67,12 +84,13 @@ def build_plans(g, max_plans: int | None = None) -> tuple[list[tuple[int, str, i
 
 
 class ConvOp:
-    """One convolution node; `candidates` are the cuDNN plans that build, `launch(i, ...)` runs plan i."""
+    """One convolution node; `candidates` are the cuDNN plans that build, `launch(i, ...)` runs plan i. A
+    forward conv may carry an epilogue in the same graph: bias (added per channel), residual z, ReLU."""
 
     def __init__(self, kind: str, attrs: dict, x_dims: list[int], w_dims: list[int], y_dims: list[int],
-                 dtype: str, handle):
+                 dtype: str, handle, bias: bool = False, residual: bool = False, relu: bool = False):
         cudnn = gpu().cudnn
-        self.kind, self.handle = kind, handle
+        self.kind, self.handle, self.dtype, self.epilogue = kind, handle, dtype, []
         g = cudnn.pygraph(io_data_type=cudnn_dtype(dtype), intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT, handle=handle)
         t, l, b, r = attrs["pads"]
@@ -83,32 +101,50 @@ class ConvOp:
         if kind == "conv":
             self.x, self.w = mk("x", x_dims), mk("w", w_dims)
             out = g.conv_fprop(image=self.x, weight=self.w, **conv_args)
+            k = y_dims[1]
+            if bias:
+                b = g.tensor(name="b", dim=[1, k, 1, 1], stride=[k, 1, k, k], data_type=cudnn_dtype(dtype))
+                out = g.add(name="bias", a=out, b=b)
+                self.epilogue.append(b)
+            if residual:
+                z = mk("z", y_dims)
+                out = g.add(name="residual", a=out, b=z)
+                self.epilogue.append(z)
+            if relu:
+                out = g.relu(name="relu", input=out)
             out.set_dim(y_dims).set_stride(nhwc_strides(y_dims))
-            self.names = ("x", "w", "y")
         elif kind == "conv_bwd_data":
             self.x, self.w = mk("dy", y_dims), mk("w", w_dims)
             out = g.conv_dgrad(loss=self.x, filter=self.w, **conv_args)
             out.set_dim(x_dims).set_stride(nhwc_strides(x_dims))
-            self.names = ("dy", "w", "dx")
         else:
             self.x, self.w = mk("x", x_dims), mk("dy", y_dims)
             out = g.conv_wgrad(image=self.x, loss=self.w, **conv_args)
             out.set_dim(w_dims).set_stride(nhwc_strides(w_dims))
-            self.names = ("x", "dy", "dw")
         out.set_output(True).set_data_type(cudnn_dtype(dtype))
         self.y = out
         self.graph = g
         self.candidates, self.unsupported = build_plans(g)
 
-    def launch(self, index: int, a, b, out, workspace) -> None:
-        """a, b: the two inputs (x, w | dy, w | x, dy) and out, as CuPy arrays with NHWC strides."""
-        self.graph.execute_plan_at_index({self.x: a, self.w: b, self.y: out}, workspace, index, handle=self.handle)
+    def launch(self, index: int, a, b, out, workspace, epilogue=()) -> None:
+        """a, b: the two inputs (x, w | dy, w | x, dy) and out, as CuPy arrays with NHWC strides; epilogue: the
+        bias and residual arrays the graph reads."""
+        tensors = {self.x: a, self.w: b, self.y: out, **dict(zip(self.epilogue, epilogue))}
+        self.graph.execute_plan_at_index(tensors, workspace, index, handle=self.handle)
+
+
+def conv_epilogue(y, bias, z, channels: int, relu: bool, dtype: str) -> None:
+    """y = relu?(y + bias + z) in place; bias, z may be None."""
+    n = y.size
+    fn = kernel(SRC, "conv_epilogue", dtype)
+    fn((blocks_for(n),), (THREADS,), (y, y if bias is None else bias, y if z is None else z, i32(n), i32(channels),
+                                      i32(bias is not None), i32(z is not None), i32(relu)))
 
 
 class ConvNode:
     """A conv-family graph node in the registry's interface: candidates (plan name, workspace bytes); inputs
     and outputs in the node's order ([x, w, b?] -> [y], [dy, w] -> [dx], [x, dy] -> [dw]). A conv bias is added
-    by a second kernel after the cuDNN plan."""
+    by an epilogue kernel after the cuDNN plan (inference graphs fuse it: conv_fused)."""
 
     def __init__(self, kind: str, attrs: dict, ins, outs, handle):
         check_index_range(*ins, *outs)
@@ -121,12 +157,52 @@ class ConvNode:
         self.op = ConvOp(kind, attrs, list(x.shape), list(w.shape), list(y.shape), y.dtype, handle)
         self.candidates = [(name, workspace) for _, name, workspace in self.op.candidates]
         self.unsupported = self.op.unsupported
-        self.bias = (y.numel, y.shape[1], y.dtype) if kind == "conv" and len(ins) > 2 else None
+        self.bias = kind == "conv" and len(ins) > 2
 
     def launch(self, index: int, inputs: list, outputs: list, workspace) -> None:
         self.op.launch(self.op.candidates[index][0], inputs[0], inputs[1], outputs[0], workspace)
         if self.bias:
-            channel_bias_add(outputs[0], inputs[2], *self.bias)
+            conv_epilogue(outputs[0], inputs[2], None, outputs[0].shape[1], False, self.op.dtype)
 
 
-OPS = {kind: partial(ConvNode, kind) for kind in CONV_KINDS}
+class FusedConv:
+    """conv_fused as one cuDNN graph (prefix "fused") or as a conv plan plus the epilogue kernel ("unfused");
+    `skip`: plan names not to offer (an engine config that builds fused runs the same kernel with the epilogue
+    folded in, so its unfused twin is only slower)."""
+
+    def __init__(self, fused: bool, attrs: dict, ins, outs, handle, skip: set[str] = frozenset()):
+        self.fused, self.relu, self.residual = fused, attrs["relu"], attrs["residual"]
+        x, w, y = ins[0], ins[1], outs[0]
+        self.bias = len(ins) - self.residual > 2
+        conv_attrs = {k: v for k, v in attrs.items() if k not in ("relu", "residual")}
+        epilogue = dict(bias=self.bias, residual=self.residual, relu=self.relu) if fused else {}
+        self.op = ConvOp("conv", conv_attrs, list(x.shape), list(w.shape), list(y.shape), y.dtype, handle, **epilogue)
+        prefix = "fused" if fused else "unfused"
+        self.plans = [p for p in self.op.candidates if p[1] not in skip]
+        self.candidates = [(f"{prefix}:{name}", workspace) for _, name, workspace in self.plans]
+        self.unsupported = [(f"{prefix}:{name}", reason) for name, reason in self.op.unsupported]
+
+    def launch(self, index: int, inputs: list, outputs: list, workspace) -> None:
+        extra = inputs[2:]
+        plan = self.plans[index][0]
+        if self.fused:
+            self.op.launch(plan, inputs[0], inputs[1], outputs[0], workspace, extra)
+            return
+        self.op.launch(plan, inputs[0], inputs[1], outputs[0], workspace)
+        conv_epilogue(outputs[0], extra[0] if self.bias else None, extra[-1] if self.residual else None,
+                      outputs[0].shape[1], self.relu, self.op.dtype)
+
+
+def _conv_fused(attrs, ins, outs, handle):
+    check_index_range(*ins, *outs)
+    fused_plans: set[str] = set()
+
+    def fused():
+        impl = FusedConv(True, attrs, ins, outs, handle)
+        fused_plans.update(name for _, name, _ in impl.plans)
+        return impl
+
+    return Alternatives({"fused": fused, "unfused": lambda: FusedConv(False, attrs, ins, outs, handle, fused_plans)})
+
+
+OPS = {kind: partial(ConvNode, kind) for kind in CONV_KINDS} | {"conv_fused": _conv_fused}

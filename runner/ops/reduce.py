@@ -66,11 +66,6 @@ extern "C" __global__ void reduce_general(const T* x, T* y, int n_out, int n_red
         st(y, (long long)i0 * ky0 + (long long)i1 * ky1 + (long long)i2 * ky2 + (long long)i3 * ky3, acc * scale);
     }
 }
-
-// conv bias: y[n, h, w, c] += b[c]
-extern "C" __global__ void channel_bias_add(T* y, const T* b, int n, int C) {
-    GRID_LOOP(i, n) st(y, i, ld(y, i) + ld(b, i % C));
-}
 """
 
 _PATTERNS = {(): (0, 0, 0), (False,): (0, 0, 1), (True,): (0, 1, 0), (False, True): (1, 1, 0),
@@ -158,9 +153,3 @@ class Reduction:
         if not direct:
             kernel(SRC, "colsum_final", self.dtype)(
                 (self.a * self.c,), (32,), (workspace, i32(self.splits), i32(self.c), y, f32(scale)))
-
-
-def channel_bias_add(y, bias, numel: int, channels: int, dtype: str) -> None:
-    """y += bias along the channel (last physical) dim, in place."""
-    fn = kernel(SRC, "channel_bias_add", dtype)
-    fn((blocks_for(numel),), (THREADS,), (y, bias, i32(numel), i32(channels)))
