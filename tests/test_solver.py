@@ -21,7 +21,7 @@ from planner.onnx_import import import_onnx
 from planner.heuristic import fit_cap, list_schedule
 from planner.problem import Alternative, Op, Problem, TensorUse, build_problem
 from planner.schedule import peak_memory, timed
-from planner.solve import CapTooSmall, Options, best_heuristic, solve_plan
+from planner.solve import CapTooSmall, Options, best_heuristic, device_bytes, solve_plan
 from planner.stats import serial_peak_bytes
 from planner.streams import build_plan
 from planner.training import build_training
@@ -159,7 +159,8 @@ def test_training_under_a_cap_offloads_or_recomputes_and_checks(googlenet_train_
     resident = solve_plan(g, prof, H100.memory_bytes, Options(time_limit_s=1, workers=2)).totals.resident_bytes
     cap = resident + int((serial_peak_bytes(g) - resident) * 0.9)
     plan = solve_plan(g, prof, cap, Options(time_limit_s=5, workers=2))
-    assert plan.totals.peak_bytes <= cap
+    assert plan.totals.peak_bytes <= cap and plan.totals.mem_cap_bytes == cap
+    assert device_bytes(g, plan) <= cap  # the runner's arena (placement gaps included) fits too
     assert plan.totals.offloaded_bytes + plan.totals.recomputed_bytes > 0
     assert check_plan(plan).ok
 
