@@ -394,7 +394,8 @@ def bench(
 ):
     """Time our plan against our serial-fastest plan and PyTorch (eager, CUDA graph; save_on_cpu and checkpoint
     for training under a cap), interleaved in one process on this GPU."""
-    from planner.bench import Settings, bench_on_gpu, parse_batches, parse_dtypes, print_report, save_outputs
+    from planner.bench import Settings, bench_on_gpu, parse_batches, parse_dtypes
+    from planner.bench_report import print_report, save_outputs
 
     settings = Settings(batches=parse_batches(batch), dtypes=parse_dtypes(dtype), mem=mem,
                         rounds=rounds, iterations=iters, store=profile_path, streams=streams, time_limit_s=time_limit,

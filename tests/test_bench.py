@@ -13,8 +13,8 @@ import pytest
 from rich.console import Console
 
 from planner.bench import (BenchReport, BenchRow, Environment, Settings, Variant, add_ratios, cap_for,
-                           equivalence_checks, interleave, make_row, parse_batches, parse_dtypes, print_report,
-                           save_outputs)
+                           equivalence_checks, interleave, make_row, parse_batches, parse_dtypes)
+from planner.bench_report import print_report, save_outputs
 from planner.files import PlannerError
 
 MODELS = Path(__file__).parent / "models"
