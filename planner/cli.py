@@ -148,6 +148,8 @@ def profile(
         return
     if model is None:
         raise PlannerError("give a MODEL to profile, or --show PROFILE")
+    if analytic is not None and counters:
+        raise PlannerError("--counters reads Nsight Compute on the GPU; it cannot go with --analytic")
     graph = load_graph(model, batch, dtype, train)
     if analytic is not None:
         from planner.analytic import profile_analytic

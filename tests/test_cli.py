@@ -18,7 +18,7 @@ def planner(*args, cwd=None):
 def test_help_lists_every_command():
     out = planner("--help")
     assert out.returncode == 0
-    for cmd in ("inspect", "profile", "solve", "run", "export", "schema"):
+    for cmd in ("inspect", "profile", "solve", "run", "export", "schema", "bench"):
         assert cmd in out.stdout
 
 
@@ -59,6 +59,8 @@ def test_bad_inputs_fail_in_one_line_without_traceback(tmp_path):
         assert out.returncode != 0
         assert "Traceback" not in out.stderr + out.stdout
     assert not (tmp_path / "sub").exists()
+    out = planner("profile", MODELS / "googlenet.onnx", "--analytic", "h100", "--counters", "--store", tmp_path)
+    assert out.returncode == 2 and "--counters" in out.stderr and "Traceback" not in out.stderr
     out = planner("inspect", tmp_path / "bad.onnx")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
 
