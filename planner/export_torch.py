@@ -11,6 +11,7 @@ from pathlib import Path
 
 from planner.files import PlannerError
 from planner.ir import Graph
+from planner.ops import KINDS
 from planner.plan import Plan
 
 TEMPLATE = Path(__file__).with_name("torch_template.py")  # read as text: writing the module needs no torch
@@ -65,10 +66,24 @@ def plan_dict(graph: Graph, plan: Plan | None) -> dict:
     }
     if sgd:
         out["sgd"] = dict(sgd)
+    _insert_views(graph, out)
     missing = forward - set(out["order"])
     if missing:
         raise PlannerError(f"plan does not schedule forward op {sorted(missing)[0]!r}")
     return out
+
+
+def _insert_views(graph: Graph, out: dict) -> None:
+    """Views (Flatten, Reshape) are no ops in a plan: each runs right after what makes its input, on its stream."""
+    order = out["order"]
+    for n in graph.nodes:
+        if n.phase != "forward" or not KINDS[n.kind].view:
+            continue
+        producer = graph.tensors[n.inputs[0]].producer
+        at = order.index(producer) + 1 if producer in order else 0
+        order.insert(at, n.name)
+        if producer in out["streams"]:
+            out["streams"][n.name] = out["streams"][producer]
 
 
 def torch_module_source(graph: Graph, plan: Plan | None = None) -> str:

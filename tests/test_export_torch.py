@@ -63,3 +63,33 @@ def test_training_step_loss_matches_reference(tmp_path):
     index = list(net.buffers_).index(fc.inputs[0])
     updated = list(net.buffers_.values())[index].detach().numpy()
     assert np.allclose(updated, out[fc.outputs[0]], rtol=1e-7, atol=1e-10)
+
+
+def test_a_plans_order_holds_every_forward_node_views_after_their_producer(tmp_path):
+    """Plans schedule no views (Flatten); the exported order puts each right after the op that makes its input,
+    and the module exported with the plan computes what the reference does."""
+    from planner.analytic import estimate_profile
+    from planner.devices import load_device
+    from planner.export_torch import plan_dict
+    from planner.solve import Options, solve_plan
+
+    g = import_onnx(MODELS / "googlenet.onnx", batch=2, input_hw=(64, 64))
+    h100 = load_device("h100")
+    plan = solve_plan(g, estimate_profile(g, h100), h100.memory_bytes, Options(time_limit_s=2, workers=2))
+    order = plan_dict(g, plan)["order"]
+    assert sorted(order) == sorted(n.name for n in g.nodes)
+    for n in g.nodes:
+        producer = g.tensors[n.inputs[0]].producer
+        if n.kind == "reshape":
+            assert order.index(n.name) == order.index(producer) + 1
+        assert all(order.index(g.tensors[t].producer) < order.index(n.name) for t in n.inputs
+                   if g.tensors[t].producer)
+    torch = pytest.importorskip("torch")
+    reference = pytest.importorskip("planner.reference")
+    values = {**reference.random_parameters(g, seed=0), **reference.random_inputs(g, seed=1)}
+    net = _load(torch_module_source(g, plan), tmp_path).PlannedNet(None, device="cpu", dtype=torch.float64,
+                                                                    values=values)
+    with torch.no_grad():
+        got = net(torch.from_numpy(values[g.inputs[0]])).numpy()
+    expected = reference.run(g, values)[g.outputs[0]]
+    assert np.abs(got - expected).max() <= 1e-8 * max(1.0, np.abs(expected).max())
