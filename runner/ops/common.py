@@ -116,6 +116,43 @@ __device__ __forceinline__ void st(half_bits* p, long long i, float v) {
 #define NEG_INF __int_as_float(0xff800000)
 #define GRID_LOOP(i, n) for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += gridDim.x * blockDim.x)
 
+// V consecutive elements at p + i as floats: V = 1, or VEC with p + i 16-byte aligned (one 16-byte access)
+#define VEC (16 / (int)sizeof(T))
+union Pack { uint4 u; T e[VEC]; };
+template <int V> __device__ __forceinline__ void ldv(const T* p, long long i, float* f) {
+    if (V == 1) {
+        f[0] = ld(p, i);
+    } else {
+        Pack k;
+        k.u = *reinterpret_cast<const uint4*>(p + i);
+#pragma unroll
+        for (int e = 0; e < V; ++e) f[e] = ld(k.e, e);
+    }
+}
+template <int V> __device__ __forceinline__ void stv(T* p, long long i, const float* f) {
+    if (V == 1) {
+        st(p, i, f[0]);
+    } else {
+        Pack k;
+#pragma unroll
+        for (int e = 0; e < V; ++e) st(k.e, e, f[e]);
+        *reinterpret_cast<uint4*>(p + i) = k.u;
+    }
+}
+// y = f(a[, b]) over flat memory, VEC elements a thread for the first nv * VEC, one a thread for the rest
+template <int K, class F> __device__ __forceinline__ void map_flat(const T* a, const T* b, T* y, int n, int nv, F f) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+    for (int j = t; j < nv; j += stride) {
+        float u[VEC], v[VEC] = {};
+        ldv<VEC>(a, (long long)j * VEC, u);
+        if (K == 2) ldv<VEC>(b, (long long)j * VEC, v);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) u[e] = f(u[e], v[e]);
+        stv<VEC>(y, (long long)j * VEC, u);
+    }
+    for (int i = nv * VEC + t; i < n; i += stride) st(y, i, f(ld(a, i), K == 2 ? ld(b, i) : 0.f));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -162,6 +199,20 @@ def blocks_for(n: int, threads: int = THREADS) -> int:
 def launch_1d(fn, n: int, *args) -> None:
     """One thread per element (grid-stride beyond MAX_BLOCKS blocks); `args` follow the kernel's signature."""
     fn((blocks_for(n),), (THREADS,), args)
+
+
+def vector_width(dtype: str, *arrays) -> int:
+    """Elements per 16-byte access (the kernels' VEC) when every array starts 16-byte aligned, else 1."""
+    if any(a.data.ptr % 16 for a in arrays):
+        return 1
+    return 16 // np.dtype(NUMPY_DTYPE[dtype]).itemsize
+
+
+def launch_flat(fn, n: int, dtype: str, arrays: list, *params) -> None:
+    """A `map_flat` kernel fn(arrays..., n, nv, params...): one thread per VEC elements where alignment allows."""
+    width = vector_width(dtype, *arrays)
+    nv = n // width if width > 1 else 0
+    launch_1d(fn, max(nv, n - nv * width), *arrays, i32(n), i32(nv), *params)
 
 
 def i32(v) -> np.int32:

@@ -15,34 +15,34 @@ import numpy as np
 
 from runner.ops.common import (
     NUMPY_DTYPE, SingleKernelOp, TensorSpec, blocks_for, broadcast_view, check_index_range, f32, i32, kernel,
-    launch_1d, logical_strides, physical, physical_axis,
+    launch_1d, launch_flat, logical_strides, physical, physical_axis,
 )
 from runner.ops.reduce import Reduction
 
 SRC = r"""
-extern "C" __global__ void relu_fwd(const T* x, T* y, int n) {
-    GRID_LOOP(i, n) { float v = ld(x, i); st(y, i, v > 0.f ? v : 0.f); }
+extern "C" __global__ void relu_fwd(const T* x, T* y, int n, int nv) {
+    map_flat<1>(x, x, y, n, nv, [](float v, float) { return v > 0.f ? v : 0.f; });
 }
-extern "C" __global__ void relu_bwd(const T* y, const T* dy, T* dx, int n) {
-    GRID_LOOP(i, n) st(dx, i, ld(y, i) > 0.f ? ld(dy, i) : 0.f);
+extern "C" __global__ void relu_bwd(const T* y, const T* dy, T* dx, int n, int nv) {
+    map_flat<2>(y, dy, dx, n, nv, [](float v, float g) { return v > 0.f ? g : 0.f; });
 }
-extern "C" __global__ void clip_fwd(const T* x, T* y, int n, float lo, float hi) {
-    GRID_LOOP(i, n) st(y, i, fminf(fmaxf(ld(x, i), lo), hi));
+extern "C" __global__ void clip_fwd(const T* x, T* y, int n, int nv, float lo, float hi) {
+    map_flat<1>(x, x, y, n, nv, [=](float v, float) { return fminf(fmaxf(v, lo), hi); });
 }
-extern "C" __global__ void clip_bwd(const T* x, const T* dy, T* dx, int n, float lo, float hi) {
-    GRID_LOOP(i, n) { float v = ld(x, i); st(dx, i, (v > lo && v < hi) ? ld(dy, i) : 0.f); }
+extern "C" __global__ void clip_bwd(const T* x, const T* dy, T* dx, int n, int nv, float lo, float hi) {
+    map_flat<2>(x, dy, dx, n, nv, [=](float v, float g) { return (v > lo && v < hi) ? g : 0.f; });
 }
-extern "C" __global__ void sigmoid_fwd(const T* x, T* y, int n) {
-    GRID_LOOP(i, n) st(y, i, 1.f / (1.f + expf(-ld(x, i))));
+extern "C" __global__ void sigmoid_fwd(const T* x, T* y, int n, int nv) {
+    map_flat<1>(x, x, y, n, nv, [](float v, float) { return 1.f / (1.f + expf(-v)); });
 }
-extern "C" __global__ void sigmoid_bwd(const T* y, const T* dy, T* dx, int n) {
-    GRID_LOOP(i, n) { float v = ld(y, i); st(dx, i, ld(dy, i) * v * (1.f - v)); }
+extern "C" __global__ void sigmoid_bwd(const T* y, const T* dy, T* dx, int n, int nv) {
+    map_flat<2>(y, dy, dx, n, nv, [](float v, float g) { return g * v * (1.f - v); });
 }
-extern "C" __global__ void add_flat(const T* a, const T* b, T* y, int n) {
-    GRID_LOOP(i, n) st(y, i, ld(a, i) + ld(b, i));
+extern "C" __global__ void add_flat(const T* a, const T* b, T* y, int n, int nv) {
+    map_flat<2>(a, b, y, n, nv, [](float u, float v) { return u + v; });
 }
-extern "C" __global__ void mul_flat(const T* a, const T* b, T* y, int n) {
-    GRID_LOOP(i, n) st(y, i, ld(a, i) * ld(b, i));
+extern "C" __global__ void mul_flat(const T* a, const T* b, T* y, int n, int nv) {
+    map_flat<2>(a, b, y, n, nv, [](float u, float v) { return u * v; });
 }
 // y (contiguous, physical dims d0..d3) = a op b, a and b read through physical strides (0 where broadcast)
 extern "C" __global__ void binary_bcast(const T* a, const T* b, T* y, int n, int mul, int d1, int d2, int d3,
@@ -56,17 +56,28 @@ extern "C" __global__ void binary_bcast(const T* a, const T* b, T* y, int n, int
         st(y, i, mul ? u * v : u + v);
     }
 }
+// y = p0 + ... + p(k-1), k <= 8, vectorised like map_flat
 extern "C" __global__ void sum8(const T* p0, const T* p1, const T* p2, const T* p3, const T* p4, const T* p5,
-                                const T* p6, const T* p7, int k, T* y, int n) {
-    GRID_LOOP(i, n) {
+                                const T* p6, const T* p7, T* y, int n, int nv, int k) {
+    const T* p[8] = {p0, p1, p2, p3, p4, p5, p6, p7};
+    int t = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+    for (int j = t; j < nv; j += stride) {
+        float acc[VEC], v[VEC];
+        ldv<VEC>(p0, (long long)j * VEC, acc);
+#pragma unroll
+        for (int s = 1; s < 8; ++s) {
+            if (s < k) {
+                ldv<VEC>(p[s], (long long)j * VEC, v);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[e] += v[e];
+            }
+        }
+        stv<VEC>(y, (long long)j * VEC, acc);
+    }
+    for (int i = nv * VEC + t; i < n; i += stride) {
         float acc = ld(p0, i);
-        if (k > 1) acc += ld(p1, i);
-        if (k > 2) acc += ld(p2, i);
-        if (k > 3) acc += ld(p3, i);
-        if (k > 4) acc += ld(p4, i);
-        if (k > 5) acc += ld(p5, i);
-        if (k > 6) acc += ld(p6, i);
-        if (k > 7) acc += ld(p7, i);
+#pragma unroll
+        for (int s = 1; s < 8; ++s) if (s < k) acc += ld(p[s], i);
         st(y, i, acc);
     }
 }
@@ -107,16 +118,22 @@ COPY2D(copy2d_16, uint4)
 
 
 class Pointwise(SingleKernelOp):
-    """Same-shape operands, one thread per element: kernel(inputs..., outputs..., n, params...)."""
+    """Same-shape operands over flat memory: a `map_flat` kernel(inputs..., outputs..., n, nv, params...), or with
+    `flat=False` one thread per element, kernel(inputs..., outputs..., n, params...)."""
 
     name = "cupy_elementwise"
 
-    def __init__(self, kernel_name: str, s: TensorSpec, params=()):
+    def __init__(self, kernel_name: str, s: TensorSpec, params=(), flat: bool = True):
         check_index_range(s)
         self.kernel_name, self.dtype, self.n, self.params = kernel_name, s.dtype, s.numel, tuple(params)
+        self.flat = flat
 
     def run(self, inputs, outputs, workspace):
-        launch_1d(kernel(SRC, self.kernel_name, self.dtype), self.n, *inputs, *outputs, i32(self.n), *self.params)
+        fn = kernel(SRC, self.kernel_name, self.dtype)
+        if self.flat:
+            launch_flat(fn, self.n, self.dtype, [*inputs, *outputs], *self.params)
+        else:
+            launch_1d(fn, self.n, *inputs, *outputs, i32(self.n), *self.params)
 
 
 class Binary(SingleKernelOp):
@@ -141,7 +158,7 @@ class Binary(SingleKernelOp):
     def run(self, inputs, outputs, workspace):
         if self.same:
             name = "mul_flat" if self.mul else "add_flat"
-            launch_1d(kernel(SRC, name, self.dtype), self.n, inputs[0], inputs[1], outputs[0], i32(self.n))
+            launch_flat(kernel(SRC, name, self.dtype), self.n, self.dtype, [inputs[0], inputs[1], outputs[0]])
             return
         launch_1d(kernel(SRC, "binary_bcast", self.dtype), self.n, inputs[0], inputs[1], outputs[0], i32(self.n),
                   i32(self.mul), *(i32(d) for d in self.dims[1:]), *(i32(s) for s in self.strides))
@@ -161,7 +178,7 @@ class Sum(SingleKernelOp):
         chunk, rest = list(inputs[:8]), list(inputs[8:])
         while True:
             k = len(chunk)
-            launch_1d(fn, self.n, *(chunk + [y] * (8 - k)), i32(k), y, i32(self.n))
+            launch_flat(fn, self.n, self.dtype, chunk + [y] * (9 - k), i32(k))
             if not rest:
                 return
             chunk, rest = [y] + rest[:7], rest[7:]
@@ -272,7 +289,7 @@ OPS = {
     "mul": lambda a, i, o, h: Binary(True, i[0], i[1], o[0]),
     "sum": lambda a, i, o, h: Sum(o[0], len(i)),
     "dropout": lambda a, i, o, h: Dropout(a, i[0]),
-    "dropout_bwd": lambda a, i, o, h: Pointwise("dropout_bwd", o[0], (f32(1.0 / (1.0 - a["ratio"])),)),
+    "dropout_bwd": lambda a, i, o, h: Pointwise("dropout_bwd", o[0], (f32(1.0 / (1.0 - a["ratio"])),), flat=False),
     "concat": _concat,
     "slice": _slice,
     "bias_grad": _bias_grad,

@@ -2,14 +2,18 @@
 explicit [t, l, b, r] pads, dilations (max), ceil_mode windows that run past the pads (never counted), and
 count_include_pad counting the explicit pads only.
 
-Threads map to consecutive channels, so every load is coalesced. Gradients gather rather than scatter: each dx
-element sums the windows that cover it, so there are no atomics and no zero-fill. maxpool_bwd first records
-each window's first maximum (row-major order, as the reference's argmax) in the workspace, then gathers.
+Threads map to consecutive channels, so every load is coalesced; max pooling gives each thread a group of
+channels read with 16-byte accesses (eight fp16 values) when the channel count allows. Gradients gather rather
+than scatter: each dx element sums the windows that cover it, so there are no atomics and no zero-fill.
+maxpool_bwd first records each window's first maximum (row-major order, as the reference's argmax) in the
+workspace, then gathers.
 """
 
 from __future__ import annotations
 
-from runner.ops.common import SingleKernelOp, TensorSpec, check_index_range, f32, i32, kernel, launch_1d
+from runner.ops.common import (
+    SingleKernelOp, TensorSpec, check_index_range, f32, i32, kernel, launch_1d, vector_width,
+)
 from runner.ops.reduce import Reduction
 
 SRC = r"""
@@ -18,53 +22,56 @@ SRC = r"""
 #define X_AT(hh, ww) (((long long)(b * H + (hh)) * W + (ww)) * C + c)
 #define Y_AT(pp, qq) (((long long)(b * P + (pp)) * Q + (qq)) * C + c)
 #define GEOMETRY int C, int H, int W, int P, int Q, int kh, int kw, int sh, int sw
+#define MAX_GEOMETRY GEOMETRY, int dh, int dw, int pt, int pl
+#define MAX_ARGS C, H, W, P, Q, kh, kw, sh, sw, dh, dw, pt, pl
+// Max pooling works on groups of V channels (V = VEC when C allows, else 1): a thread owns one group, so the
+// index arithmetic is paid once per V elements and every access is V elements wide. i counts groups, c is
+// the group's first channel.
+#define GROUP_OUT(V) int g = i % (C / V), t = i / (C / V), q = t % Q; t /= Q; int p = t % P, b = t / P, c = g * V;
+#define GROUP_IN(V) int g = i % (C / V), t = i / (C / V), w = t % W; t /= W; int h = t % H, b = t / H, c = g * V;
 
-extern "C" __global__ void maxpool_fwd(const T* x, T* y, int n, GEOMETRY, int dh, int dw, int pt, int pl) {
-    GRID_LOOP(i, n) {
-        DECODE_OUT
-        float best = NEG_INF;
-        for (int ki = 0; ki < kh; ++ki) {
-            int h = p * sh - pt + ki * dh;
-            if (h < 0 || h >= H) continue;
-            for (int kj = 0; kj < kw; ++kj) {
-                int w = q * sw - pl + kj * dw;
-                if (w >= 0 && w < W) best = fmaxf(best, ld(x, X_AT(h, w)));
-            }
-        }
-        st(y, i, best);
-    }
-}
+// V one-byte taps moved with one V-byte access
+template <int V> struct __align__(V) Taps { unsigned char tap[V]; };
 
-// tap index (ki * kw + kj) of each window's first maximum; 255 when the window holds no input element
-extern "C" __global__ void maxpool_argmax(const T* x, unsigned char* arg, int n, GEOMETRY, int dh, int dw,
-                                          int pt, int pl) {
+// y = window max; with arg, also each window's first maximum (row-major, as the reference's argmax) as the tap
+// index ki * kw + kj, 255 when the window holds no input element
+template <int V> __device__ void maxpool_groups(const T* x, T* y, unsigned char* arg, int n, MAX_GEOMETRY) {
     GRID_LOOP(i, n) {
-        DECODE_OUT
-        float best = NEG_INF;
-        int tap = 255;
+        GROUP_OUT(V)
+        float best[V], v[V];
+        Taps<V> taps;
+#pragma unroll
+        for (int e = 0; e < V; ++e) { best[e] = NEG_INF; taps.tap[e] = 255; }
         for (int ki = 0; ki < kh; ++ki) {
             int h = p * sh - pt + ki * dh;
             if (h < 0 || h >= H) continue;
             for (int kj = 0; kj < kw; ++kj) {
                 int w = q * sw - pl + kj * dw;
                 if (w < 0 || w >= W) continue;
-                float v = ld(x, X_AT(h, w));
-                if (tap == 255 || v > best) { best = v; tap = ki * kw + kj; }
+                ldv<V>(x, X_AT(h, w), v);
+#pragma unroll
+                for (int e = 0; e < V; ++e)
+                    if (taps.tap[e] == 255 || v[e] > best[e]) { best[e] = v[e]; taps.tap[e] = ki * kw + kj; }
             }
         }
-        arg[i] = (unsigned char)tap;
+        long long o = Y_AT(p, q);
+        if (y) stv<V>(y, o, best);
+        if (arg) *reinterpret_cast<Taps<V>*>(arg + o) = taps;
     }
 }
 
-extern "C" __global__ void maxpool_bwd(const unsigned char* arg, const T* dy, T* dx, int n, GEOMETRY, int dh,
-                                       int dw, int pt, int pl) {
+// dx gathers dy from every window that covers it and whose recorded tap is this element: no atomics, no zero-fill
+template <int V> __device__ void maxpool_bwd_groups(const unsigned char* arg, const T* dy, T* dx, int n,
+                                                    MAX_GEOMETRY) {
     GRID_LOOP(i, n) {
-        DECODE_IN
+        GROUP_IN(V)
         int hp = h + pt, wp = w + pl;
         int lo = hp - (kh - 1) * dh, p0 = lo <= 0 ? 0 : (lo + sh - 1) / sh, p1 = min(P - 1, hp / sh);
         lo = wp - (kw - 1) * dw;
         int q0 = lo <= 0 ? 0 : (lo + sw - 1) / sw, q1 = min(Q - 1, wp / sw);
-        float acc = 0.f;
+        float acc[V], grad[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] = 0.f;
         for (int p = p0; p <= p1; ++p) {
             int di = hp - p * sh;
             if (di % dh) continue;
@@ -72,12 +79,29 @@ extern "C" __global__ void maxpool_bwd(const unsigned char* arg, const T* dy, T*
                 int dj = wp - q * sw;
                 if (dj % dw) continue;
                 long long o = Y_AT(p, q);
-                if (arg[o] == (di / dh) * kw + dj / dw) acc += ld(dy, o);
+                Taps<V> taps = *reinterpret_cast<const Taps<V>*>(arg + o);
+                unsigned char want = (di / dh) * kw + dj / dw;
+                ldv<V>(dy, o, grad);
+#pragma unroll
+                for (int e = 0; e < V; ++e) if (taps.tap[e] == want) acc[e] += grad[e];
             }
         }
-        st(dx, i, acc);
+        stv<V>(dx, X_AT(h, w), acc);
     }
 }
+
+#define MAXPOOL_KERNELS(SUFFIX, V) \
+extern "C" __global__ void maxpool_fwd##SUFFIX(const T* x, T* y, int n, MAX_GEOMETRY) { \
+    maxpool_groups<V>(x, y, nullptr, n, MAX_ARGS); \
+} \
+extern "C" __global__ void maxpool_argmax##SUFFIX(const T* x, unsigned char* arg, int n, MAX_GEOMETRY) { \
+    maxpool_groups<V>(x, nullptr, arg, n, MAX_ARGS); \
+} \
+extern "C" __global__ void maxpool_bwd##SUFFIX(const unsigned char* arg, const T* dy, T* dx, int n, MAX_GEOMETRY) { \
+    maxpool_bwd_groups<V>(arg, dy, dx, n, MAX_ARGS); \
+}
+MAXPOOL_KERNELS(_1, 1)
+MAXPOOL_KERNELS(_vec, VEC)
 
 __device__ __forceinline__ int avg_count(int hs, int ws, int kh, int kw, int H, int W, int pt, int pl, int pb,
                                          int pr, int include_pad) {
@@ -145,14 +169,23 @@ class Pool(SingleKernelOp):
 
     def run(self, inputs, outputs, workspace):
         args = self.geometry + self.extra
-        if self.kind == "maxpool_bwd":
+        if self.kind.startswith("maxpool"):
+            arrays = [*inputs, *outputs] + ([workspace] if self.kind == "maxpool_bwd" else [])
+            width = vector_width(self.dtype, *arrays)
+            width = width if int(self.geometry[0]) % width == 0 else 1
+            suffix = "_vec" if width > 1 else "_1"
+            if self.kind == "maxpool":
+                n = self.y_numel // width
+                launch_1d(kernel(SRC, "maxpool_fwd" + suffix, self.dtype), n, inputs[0], outputs[0], i32(n), *args)
+                return
             x, dy = inputs
-            launch_1d(kernel(SRC, "maxpool_argmax", self.dtype), self.y_numel, x, workspace, i32(self.y_numel), *args)
-            launch_1d(kernel(SRC, "maxpool_bwd", self.dtype), self.x_numel, workspace, dy, outputs[0],
-                      i32(self.x_numel), *args)
+            n = self.y_numel // width
+            launch_1d(kernel(SRC, "maxpool_argmax" + suffix, self.dtype), n, x, workspace, i32(n), *args)
+            n = self.x_numel // width
+            launch_1d(kernel(SRC, "maxpool_bwd" + suffix, self.dtype), n, workspace, dy, outputs[0], i32(n), *args)
             return
         n = self.x_numel if self.kind == "avgpool_bwd" else self.y_numel
-        name = {"maxpool": "maxpool_fwd", "avgpool": "avgpool_fwd", "avgpool_bwd": "avgpool_bwd"}[self.kind]
+        name = {"avgpool": "avgpool_fwd", "avgpool_bwd": "avgpool_bwd"}[self.kind]
         launch_1d(kernel(SRC, name, self.dtype), n, inputs[0], outputs[0], i32(n), *args)
 
 
