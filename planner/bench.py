@@ -24,9 +24,10 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from rich.console import Console
 
-from planner.files import FORMAT_VERSION, PlannerError
+from planner.files import FORMAT_VERSION, PlannerError, load_model
 from planner.ir import Graph
 from planner.memsize import fmt_bytes, parse_size
+from planner.plan import Plan
 
 MIN_ITERATIONS = 50  # per variant, over all rounds
 EQUIVALENT = 0.05  # our IR's PyTorch build and torchvision's must run within 5% of each other
@@ -130,6 +131,7 @@ class Settings:
     workers: int = 8
     seed: int = 0
     torch: bool = True
+    plan: Path | None = None  # time this plan as "ours planned" instead of solving one (its cap applies)
 
     def __post_init__(self):
         if self.rounds * self.iterations < MIN_ITERATIONS:
@@ -137,6 +139,8 @@ class Settings:
                                f"{self.rounds * self.iterations} timed iterations; medians need at least "
                                f"{MIN_ITERATIONS} per variant")
         cap_for(self.mem, 1 << 40)  # reads, before any GPU work
+        if self.plan is not None and self.mem is not None:
+            raise PlannerError("--plan brings its own cap: leave out --mem")
 
 
 @dataclass
@@ -253,15 +257,18 @@ def _bench_config(graph: Graph, device, s: Settings, with_torch: bool, console: 
     label = f"{graph.model_name} b{graph.batch} {graph.dtype} {'train' if graph.training else 'infer'}"
     profile = _measured_profile(graph, s.store, device, console)
     serial = solve_plan(graph, profile, device.memory_bytes, Options(baseline=True))
-    cap = cap_for(s.mem, serial.totals.peak_bytes)
-    options = Options(streams=s.streams, time_limit_s=s.time_limit_s, workers=s.workers, seed=s.seed)
-    console.print(f"{label}: solving (CP-SAT, {s.time_limit_s:g} s limit)"
-                  + (f" under a cap of {fmt_bytes(cap)}" if cap else ""))
-    try:
-        planned = solve_plan(graph, profile, cap or device.memory_bytes, options)
-    except CapTooSmall as e:
-        notes.append(f"{label}: no planned variant: {e}")
-        planned = None
+    if s.plan is not None:
+        planned, cap = given_plan(s.plan, graph, device)
+    else:
+        cap = cap_for(s.mem, serial.totals.peak_bytes)
+        options = Options(streams=s.streams, time_limit_s=s.time_limit_s, workers=s.workers, seed=s.seed)
+        console.print(f"{label}: solving (CP-SAT, {s.time_limit_s:g} s limit)"
+                      + (f" under a cap of {fmt_bytes(cap)}" if cap else ""))
+        try:
+            planned = solve_plan(graph, profile, cap or device.memory_bytes, options)
+        except CapTooSmall as e:
+            notes.append(f"{label}: no planned variant: {e}")
+            planned = None
     host, params = _values(graph)
     variants = []
     if planned is not None:
@@ -285,6 +292,16 @@ def _bench_config(graph: Graph, device, s: Settings, with_torch: bool, console: 
     samples = interleave(variants, s.rounds, s.iterations)
     key = (graph.model_name, graph.batch, graph.dtype, graph.training)
     return [make_row(key, v, samples[v.name], cap) for v in variants]
+
+
+def given_plan(path: Path, graph: Graph, device) -> tuple[Plan, int | None]:
+    """A plan file made for this graph and this GPU, and the cap it was solved under (None: uncapped)."""
+    from planner.run import require_runnable
+
+    plan = load_model(Plan, path, expect_graph_sha256=graph.graph_sha256)
+    require_runnable(plan, device)
+    cap = plan.totals.mem_cap_bytes
+    return plan, (cap if cap < device.memory_bytes else None)
 
 
 def _measured_profile(graph: Graph, store_dir: Path, device, console: Console):

@@ -3,7 +3,7 @@
 Nothing the solver computed is trusted: the timeline is rebuilt from each stream's order, the waits and each
 item's duration (every item starts as soon as its stream and its waits allow, as the GPU would run it), and
 every rule is checked on that timeline: dependencies, one item at a time per stream and copy engine, tensors
-on the device whenever an op touches them, memory under the cap at every instant, SM share at most 1.
+on the device whenever an op touches them, memory under the cap at every instant, SM and DRAM shares at most 1.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def check_plan(plan: Plan) -> CheckReport:
             if b0 < a1 - EPS_US:
                 v.append(f"two {direction} copies overlap at {b0:.1f} us")
     peak = _check_memory(plan, at, makespan, v)
-    _check_sm_share(plan, at, v)
+    _check_share(plan, at, v, "sm_fraction", "SM share")
+    _check_share(plan, at, v, "dram_fraction", "DRAM share")
     for name, predicted, simulated in (("makespan", plan.totals.makespan_us, makespan),
                                        ("peak memory", plan.totals.peak_bytes, peak)):
         if abs(predicted - simulated) > TOLERANCE * max(abs(simulated), 1e-9):
@@ -162,14 +163,15 @@ def _check_memory(plan: Plan, at: dict, makespan: float, v: list[str]) -> int:
     return peak
 
 
-def _check_sm_share(plan: Plan, at: dict, v: list[str]) -> None:
+def _check_share(plan: Plan, at: dict, v: list[str], field_name: str, what: str) -> None:
     events = []
     for op in plan.ops:
         s, e = at[_key(op)]
-        events += [(s, op.sm_fraction, op.node), (e, -op.sm_fraction, op.node)]
+        fraction = getattr(op, field_name)
+        events += [(s, fraction, op.node), (e, -fraction, op.node)]
     share = 0.0
     for instant, delta, node in sorted(events, key=lambda x: (x[0], x[1])):
         share += delta
         if share > 1.0 + 1e-6:
-            v.append(f"SM share {share:.2f} above 1 at {instant:.1f} us when {node} starts")
+            v.append(f"{what} {share:.2f} above 1 at {instant:.1f} us when {node} starts")
             return

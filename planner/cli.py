@@ -391,6 +391,8 @@ def bench(
     workers: int = typer.Option(8, "--workers", min=1, help="CP-SAT workers"),
     seed: int = typer.Option(0, "--seed", help="CP-SAT and weight seed"),
     no_torch: bool = typer.Option(False, "--no-torch", help="our variants only, even where PyTorch is installed"),
+    plan: Optional[Path] = typer.Option(None, "--plan", help="time this plan (made for MODEL on this GPU) as ours "
+                                                             "instead of solving; its batch, dtype and cap apply"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON report (default bench/MODEL.MODE.json)"),
     png: Optional[Path] = typer.Option(None, "--png", help="bar chart (default: beside the JSON report)"),
 ):
@@ -398,10 +400,19 @@ def bench(
     for training under a cap), interleaved in one process on this GPU."""
     from planner.bench import Settings, bench_on_gpu, parse_batches, parse_dtypes
     from planner.bench_report import print_report, save_outputs
+    from planner.files import load_model
+    from planner.plan import Plan
 
-    settings = Settings(batches=parse_batches(batch), dtypes=parse_dtypes(dtype), mem=mem,
-                        rounds=rounds, iterations=iters, store=profile_path, streams=streams, time_limit_s=time_limit,
-                        workers=workers, seed=seed, torch=not no_torch)
+    batches, dtypes = parse_batches(batch), parse_dtypes(dtype)
+    if plan is not None:
+        given = load_model(Plan, plan)
+        if given.training != train:
+            raise PlannerError(f"{plan} is a{' training' if given.training else 'n inference'} plan: "
+                               f"{'add' if given.training else 'leave out'} --train")
+        batches, dtypes = [given.batch], [given.dtype]
+    settings = Settings(batches=batches, dtypes=dtypes, mem=mem, rounds=rounds, iterations=iters, store=profile_path,
+                        streams=streams, time_limit_s=time_limit, workers=workers, seed=seed, torch=not no_torch,
+                        plan=plan)
     if not model.is_file():
         raise PlannerError(f"{model}: no such file")
     result = bench_on_gpu(lambda b, d: load_graph(model, b, DType(d), train), settings, console)

@@ -14,7 +14,7 @@ from typing import Callable
 
 from ortools.sat.python import cp_model
 
-from planner.problem import SM_CAPACITY, Problem
+from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Problem
 from planner.schedule import Schedule, residency, timed
 
 PEAK_LEVELS = 100  # the objective's second term: peak memory in hundredths of the cap
@@ -87,15 +87,25 @@ def add_precedences(m: cp_model.CpModel, p: Problem, v: Vars) -> None:
 
 def add_sm_capacity(m: cp_model.CpModel, p: Problem, v: Vars) -> None:
     """sum of sm_fraction over the ops (and recomputations) running at any instant <= 1."""
+    _add_share(m, p, v, "sm_demand", SM_CAPACITY)
+
+
+def add_dram_bandwidth(m: cp_model.CpModel, p: Problem, v: Vars) -> None:
+    """sum of dram_fraction over the ops (and recomputations) running at any instant <= 1: kernels that each
+    need most of the memory bandwidth would only slow each other down side by side."""
+    _add_share(m, p, v, "dram_demand", DRAM_CAPACITY)
+
+
+def _add_share(m: cp_model.CpModel, p: Problem, v: Vars, demand: str, capacity: int) -> None:
     intervals, demands = [], []
     for i, op in enumerate(p.ops):
         for a, alt in enumerate(op.alternatives):
             intervals.append(v.runs[i][a])
-            demands.append(alt.sm_demand)
+            demands.append(getattr(alt, demand))
     for t, iv in v.rec.items():
         intervals.append(iv)
-        demands.append(p.tensors[t].recompute.sm_demand)
-    m.add_cumulative(intervals, demands, SM_CAPACITY)
+        demands.append(getattr(p.tensors[t].recompute, demand))
+    m.add_cumulative(intervals, demands, capacity)
 
 
 def add_stream_limit(m: cp_model.CpModel, p: Problem, v: Vars, streams: int) -> None:
@@ -277,6 +287,7 @@ def solve(p: Problem, cap_bytes: int, streams: int, horizon: int, time_limit_s: 
     add_one_algorithm(m, p, v)
     add_precedences(m, p, v)
     add_sm_capacity(m, p, v)
+    add_dram_bandwidth(m, p, v)
     add_stream_limit(m, p, v, streams)
     add_copy_engines(m, p, v)
     add_keep_offload_recompute(m, p, v)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.problem import SM_CAPACITY, Alternative, Problem
+from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
 from planner.schedule import Decision, Schedule, timed
 
 PREFETCH_HEADROOM = 2.0  # issue a prefetch this many copy-durations of compute before its first use
@@ -98,8 +98,9 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
     (tensors in the order their producers end); the next prefetch on the h2d engine (in the order the backward
     pass needs them) once its reader is about PREFETCH_HEADROOM copy-durations away and it fits; then the
     ready ops and recomputations, longest path to the end first, each with its fastest alternative within
-    `slack` that fits the free SM share, a stream, and memory. What does not fit waits for memory to be freed;
-    only when nothing is running does the most urgent item go ahead over the cap (recorded in `over`).
+    `slack` that fits the free SM share and DRAM bandwidth, a stream, and memory. What does not fit waits for
+    memory to be freed; only when nothing is running does the most urgent item go ahead over the cap (recorded
+    in `over`).
     A recomputation is ready once its producer ended and every other predecessor of its first backward reader
     started: late enough to hold its memory briefly, early enough to run beside that predecessor.
     """
@@ -137,7 +138,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
     d2h_done: set[int] = set()
     running: list[tuple[int, int]] = []  # (end, job)
     ready = [j for j in range(len(jobs)) if not blocked[j] and not gate[j]]
-    now, sm_used, finished = 0, 0, 0
+    now, sm_used, dram_used, finished = 0, 0, 0, 0
     forward_left = sum(op.phase == "forward" for op in p.ops)  # nothing comes back before the backward pass
 
     def free(t: int, second: bool) -> None:
@@ -153,11 +154,12 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             ready.append(c)
 
     def launch(j: int, a: int) -> None:
-        nonlocal used, sm_used
+        nonlocal used, sm_used, dram_used
         alt = jobs[j][a]
         start[j], choice[j] = now, a
         running.append((now + alt.duration, j))
         sm_used += alt.sm_demand
+        dram_used += alt.dram_demand
         used += _allocation(p, j, alt, rec)
         ready.remove(j)
         for g in gated_by.get(j, []):
@@ -170,6 +172,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             running.remove((end, j))
             finished += 1
             sm_used -= jobs[j][choice[j]].sm_demand
+            dram_used -= jobs[j][choice[j]].dram_demand
             used -= jobs[j][choice[j]].workspace_bytes
             if j < n:
                 forward_left -= p.ops[j].phase == "forward"
@@ -219,6 +222,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             quickest = min(alt.duration for alt in jobs[j])
             fitting = [a for a, alt in enumerate(jobs[j])
                        if sm_used + alt.sm_demand <= SM_CAPACITY and alt.duration <= slack * quickest
+                       and dram_used + alt.dram_demand <= DRAM_CAPACITY
                        and used + _allocation(p, j, alt, rec) <= cap_bytes]
             if fitting:
                 launch(j, min(fitting, key=lambda a: (jobs[j][a].duration, jobs[j][a].workspace_bytes)))

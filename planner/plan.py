@@ -17,6 +17,7 @@ class ScheduledOp(BaseModel):
     end_us: float
     workspace_bytes: int = 0
     sm_fraction: float = 1.0
+    dram_fraction: float = Field(0.0, description="share of the measured DRAM bandwidth it needs")
     recompute_of: str | None = Field(None, description="set when this entry recomputes a dropped tensor")
     recompute_nodes: list[str] = Field(default_factory=list, description="the ops a recomputation re-runs, in "
                                        "order (BatchNormalization with its saved batch statistics)")

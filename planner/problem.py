@@ -16,6 +16,7 @@ from planner.ops import KINDS
 from planner.profile import Candidate, DeviceInfo, Profile
 
 SM_CAPACITY = 100  # sm_fraction 1.0 in the cumulative's integer units
+DRAM_CAPACITY = 100  # dram_fraction 1.0: the measured peak bandwidth, in the same units
 MAX_TICKS = 400_000  # the horizon's resolution: coarser ticks beyond it keep large graphs tractable
 MIN_TICK_US = 0.1
 MIN_OFFLOAD_BYTES = 1 << 20  # smaller saved tensors are always kept: a copy's latency outweighs the saving
@@ -30,6 +31,7 @@ class Alternative:
     duration: int  # ticks
     workspace_bytes: int
     sm_demand: int  # of SM_CAPACITY
+    dram_demand: int = 0  # of DRAM_CAPACITY
 
 
 @dataclass
@@ -149,7 +151,8 @@ def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, off
 
     def alternative(c: Candidate) -> Alternative:
         return Alternative(c.name, c.time_us, max(1, round(c.time_us / tick_us)), c.workspace_bytes,
-                           max(1, min(SM_CAPACITY, math.ceil(c.sm_fraction * SM_CAPACITY - 1e-9))))
+                           max(1, min(SM_CAPACITY, math.ceil(c.sm_fraction * SM_CAPACITY - 1e-9))),
+                           max(0, min(DRAM_CAPACITY, math.ceil(c.dram_fraction * DRAM_CAPACITY - 1e-9))))
 
     ops = [Op(n.name, n.kind, n.phase, [alternative(c) for c in chosen[n.name]]) for n in nodes]
     index = {o.name: i for i, o in enumerate(ops)}
@@ -266,4 +269,5 @@ def _mark_recompute(problem: Problem, graph: Graph, t: TensorUse) -> None:
     t.can_recompute = True
     t.recompute_chain, t.recompute_reads = chain, reads
     t.recompute = Alternative("+".join(a.name for a in fastest), time_us, problem.ticks(time_us),
-                              max(a.workspace_bytes for a in fastest) + intermediate, max(a.sm_demand for a in fastest))
+                              max(a.workspace_bytes for a in fastest) + intermediate, max(a.sm_demand for a in fastest),
+                              max(a.dram_demand for a in fastest))

@@ -44,6 +44,16 @@ def onnx_weights(path: Path, graph: Graph) -> dict[str, np.ndarray]:
     return out
 
 
+def require_runnable(plan: Plan, device) -> None:
+    """A plan runs only on the GPU and cuDNN it was measured on, with real cuDNN plan names."""
+    if plan.estimated:
+        raise PlannerError("the plan was made from an analytic (estimated) profile: its algorithm names are not "
+                           "cuDNN plans; profile on this GPU and solve again")
+    if device.fingerprint != plan.device_fingerprint:
+        raise PlannerError(f"the plan was made for {plan.device_fingerprint}, this GPU is {device.fingerprint} "
+                           "(another GPU or cuDNN version): profile here and solve again")
+
+
 def run_on_gpu(graph: Graph, plan: Plan, plan_file: Path, iterations: int, eager: bool, check: bool,
                weights: Path | None, on_trace: Callable[[dict], None] | None = None) -> RunReport:
     try:
@@ -54,13 +64,8 @@ def run_on_gpu(graph: Graph, plan: Plan, plan_file: Path, iterations: int, eager
         gpu()
     except ImportError as e:
         raise PlannerError(f"running needs the GPU extra (pip install -e '.[gpu]'): {e}") from None
-    if plan.estimated:
-        raise PlannerError("the plan was made from an analytic (estimated) profile: its algorithm names are not "
-                           "cuDNN plans; profile on this GPU and solve again")
     device = probe_device()
-    if device.fingerprint != plan.device_fingerprint:
-        raise PlannerError(f"the plan was made for {plan.device_fingerprint}, this GPU is {device.fingerprint} "
-                           "(another GPU or cuDNN version): profile here and solve again")
+    require_runnable(plan, device)
     parameters = onnx_weights(weights, graph) if weights else None
     return run_plan(graph, plan, str(plan_file), device.name, iterations, eager, check, parameters, on_trace)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from planner import cpsat
 from planner.files import PlannerError
 from planner.memsize import fmt_bytes
 from planner.heuristic import baseline, fit_cap, list_schedule
@@ -150,6 +149,8 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
         if on_progress:
             on_progress(makespan_ticks * tick, max(bound_ticks * tick, *bounds.values()), elapsed_s)
 
+    from planner import cpsat  # OR-Tools only where CP-SAT runs: baseline plans work without it
+
     result = cpsat.solve(p, cap_bytes, options.streams, horizon, options.time_limit_s, options.workers,
                          options.seed, hint, progress)
     schedule, status = result.schedule, result.status
@@ -193,6 +194,8 @@ def _loose_horizon(p: Problem) -> int:
 
 def _cap_too_small(p: Problem, cap_bytes: int, options: Options, status: str) -> CapTooSmall:
     """CP-SAT found no schedule under the cap: find the smallest peak any schedule reaches, the cap that works."""
+    from planner import cpsat
+
     big = max(p.device.memory_bytes, cap_bytes * 4)
     r = cpsat.solve(p, big, options.streams, _loose_horizon(p), options.time_limit_s, options.workers, options.seed,
                     hint=baseline(p), minimize_memory=True)

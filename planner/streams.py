@@ -15,7 +15,7 @@ import numpy as np
 
 from planner.ir import Graph
 from planner.plan import Copy, Plan, Residency, ScheduledOp, Totals
-from planner.problem import SM_CAPACITY, Problem
+from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Problem
 from planner.schedule import Schedule, Timed, peak_memory, residency
 
 
@@ -117,7 +117,7 @@ def build_plan(graph: Graph, p: Problem, s: Schedule, totals: Totals, streams_li
             alt = op.alternatives[s.alt[op_i]] if it.kind == "op" else p.tensors[it.index].recompute
             ops.append(ScheduledOp(
                 node=op.name, algorithm=alt.name, workspace_bytes=alt.workspace_bytes,
-                sm_fraction=alt.sm_demand / SM_CAPACITY, **common,
+                sm_fraction=alt.sm_demand / SM_CAPACITY, dram_fraction=alt.dram_demand / DRAM_CAPACITY, **common,
                 recompute_of=p.tensors[it.index].name if it.kind == "recompute" else None,
                 recompute_nodes=[p.ops[o].name for o in p.tensors[it.index].recompute_chain] if it.kind == "recompute" else [],
                 reads=[p.tensors[t].name for t in (op.reads if it.kind == "op" else p.tensors[it.index].recompute_reads)],

@@ -135,6 +135,18 @@ def test_without_a_gpu_bench_fails_in_one_line():
     assert len(out.stderr.strip().splitlines()) == 1 and "GPU" in out.stderr
 
 
+@pytest.mark.parametrize("extra, words", [
+    (["--train", "--mem", "50%"], "--plan brings its own cap"),  # the plan's cap applies
+    ([], "add --train"),  # a training plan with an inference bench
+])
+def test_bench_plan_mismatch_fails_in_one_line(extra, words):
+    plan = Path(__file__).parent.parent / "plans" / "googlenet.train.b32.fp16.cap50.json"
+    out = subprocess.run([sys.executable, "-m", "planner.cli", "bench", str(MODELS / "googlenet.train.onnx"), "--plan",
+                          str(plan), *extra], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "Traceback" not in out.stderr + out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1 and words in out.stderr
+
+
 def test_bench_is_listed_in_help():
     out = subprocess.run([sys.executable, "-m", "planner.cli", "bench", "--help"], capture_output=True, text=True,
                          timeout=60)

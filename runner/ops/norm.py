@@ -14,7 +14,9 @@ import math
 import numpy as np
 
 from runner.gpu import cudnn_dtype, gpu
-from runner.ops.common import Alternatives, SingleKernelOp, TensorSpec, check_index_range, f32, i32, kernel, launch_1d
+from runner.ops.common import (
+    Alternatives, SingleKernelOp, TensorSpec, check_index_range, f32, i32, kernel, launch_1d, vector_width,
+)
 from runner.ops.conv import build_plans, nhwc_strides
 from runner.ops.reduce import splits
 
@@ -34,6 +36,20 @@ extern "C" __global__ void bn_apply_saved(const T* x, T* y, const float* scale, 
     GRID_LOOP(i, n) {
         int c = (i / inner) % C;
         st(y, i, (ld(x, i) - mean[c]) * invstd[c] * scale[c] + bias[c]);
+    }
+}
+
+// the same, VEC channels a thread (inner == 1, C a multiple of VEC, 16-byte aligned): nv = n / VEC groups
+extern "C" __global__ void bn_apply_saved_vec(const T* x, T* y, const float* scale, const float* bias,
+                                              const float* mean, const float* invstd, int nv, int C) {
+    GRID_LOOP(j, nv) {
+        long long i = (long long)j * VEC;
+        int c = (int)(i % C);
+        float v[VEC];
+        ldv<VEC>(x, i, v);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) v[e] = (v[e] - mean[c + e]) * invstd[c + e] * scale[c + e] + bias[c + e];
+        stv<VEC>(y, i, v);
     }
 }
 
@@ -184,6 +200,13 @@ class BatchNormApply(BatchNormInference):
 
     def run(self, inputs, outputs, workspace):
         x, scale, bias, mean, invstd = inputs
+        width = vector_width(self.dtype, x, outputs[0])
+        channels, inner = (int(v) for v in self.params[:2])
+        if width > 1 and inner == 1 and channels % width == 0:
+            nv = self.n // width
+            launch_1d(kernel(SRC, "bn_apply_saved_vec", self.dtype), nv, x, outputs[0], scale, bias, mean, invstd,
+                      i32(nv), i32(channels))
+            return
         launch_1d(kernel(SRC, "bn_apply_saved", self.dtype), self.n, x, outputs[0], scale, bias, mean, invstd,
                   i32(self.n), *self.params[:2])
 
