@@ -201,6 +201,8 @@ def solve(
     time_limit: float = typer.Option(60.0, "--time-limit", min=0.1, help="CP-SAT limit (deterministic seconds)"),
     workers: int = typer.Option(8, "--workers", min=1, help="CP-SAT workers"),
     seed: int = typer.Option(0, "--seed", help="CP-SAT random seed"),
+    dram: bool = typer.Option(False, "--dram", help="also keep the running ops' DRAM shares at most 1 (off by "
+                                                   "default: measured slower on GoogLeNet, docs/BENCHMARKS.md)"),
     sweep: bool = typer.Option(False, "--sweep", help="solve at 100/70/50/30% of the serial peak"),
     baseline: bool = typer.Option(False, "--baseline", help="write the framework-style plan instead (serial, "
                                                             "fastest algorithm per op, nothing offloaded)"),
@@ -219,7 +221,8 @@ def solve(
         caps = [int(serial_peak_bytes(graph) * f) for f in (1.0, 0.7, 0.5, 0.3)]
     else:
         caps = parse_sizes(mem, device_bytes) if mem else [device_bytes]
-    options = Options(streams=streams, time_limit_s=time_limit, workers=workers, seed=seed, baseline=baseline)
+    options = Options(streams=streams, time_limit_s=time_limit, workers=workers, seed=seed, baseline=baseline,
+                      dram=dram)
     mode = "train" if graph.training else "infer"
     stem = f"{graph.model_name}.{mode}.b{graph.batch}.{graph.dtype}" + (".baseline" if baseline else "")
     rows = []

@@ -287,7 +287,8 @@ def solve(p: Problem, cap_bytes: int, streams: int, horizon: int, time_limit_s: 
     add_one_algorithm(m, p, v)
     add_precedences(m, p, v)
     add_sm_capacity(m, p, v)
-    add_dram_bandwidth(m, p, v)
+    if any(a.dram_demand for o in p.ops for a in o.alternatives):
+        add_dram_bandwidth(m, p, v)
     add_stream_limit(m, p, v, streams)
     add_copy_engines(m, p, v)
     add_keep_offload_recompute(m, p, v)

@@ -126,8 +126,9 @@ def choose_tick_us(total_us: float) -> float:
 
 
 def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, offload: bool = True,
-                  recompute: bool = True) -> Problem:
-    """The scheduling problem of one graph with the costs of one profile."""
+                  recompute: bool = True, dram: bool = False) -> Problem:
+    """The scheduling problem of one graph with the costs of one profile; without `dram`, every DRAM demand is 0
+    (the bandwidth is not a constraint)."""
     if profile.graph_sha256 not in (None, graph.graph_sha256):
         raise PlannerError("the profile was assembled for another graph (model, batch, dtype or mode differ)")
     if profile.dtype != graph.dtype:
@@ -152,7 +153,7 @@ def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, off
     def alternative(c: Candidate) -> Alternative:
         return Alternative(c.name, c.time_us, max(1, round(c.time_us / tick_us)), c.workspace_bytes,
                            max(1, min(SM_CAPACITY, math.ceil(c.sm_fraction * SM_CAPACITY - 1e-9))),
-                           max(0, min(DRAM_CAPACITY, math.ceil(c.dram_fraction * DRAM_CAPACITY - 1e-9))))
+                           max(0, min(DRAM_CAPACITY, math.ceil(c.dram_fraction * DRAM_CAPACITY - 1e-9))) if dram else 0)
 
     ops = [Op(n.name, n.kind, n.phase, [alternative(c) for c in chosen[n.name]]) for n in nodes]
     index = {o.name: i for i, o in enumerate(ops)}

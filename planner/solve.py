@@ -14,7 +14,7 @@ from planner.memsize import fmt_bytes
 from planner.heuristic import baseline, fit_cap, list_schedule
 from planner.ir import Graph
 from planner.plan import Plan, Totals
-from planner.problem import SM_CAPACITY, Problem, build_problem
+from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Problem, build_problem
 from planner.profile import Profile
 from planner.schedule import Schedule, peak_memory, timed
 from planner.streams import build_plan
@@ -51,18 +51,21 @@ class Options:
     offload: bool = True
     recompute: bool = True
     max_alternatives: int = 8
+    dram: bool = False  # DRAM bandwidth as a second cumulative beside the SM share
     baseline: bool = False  # emit the framework-style plan instead: serial, fastest algorithm, everything kept
 
 
 def lower_bounds_us(p: Problem, streams: int) -> dict[str, float]:
     """Bounds every schedule obeys: the longest dependency chain at each op's fastest time; total SM work
-    (time x sm_fraction) over the whole GPU; total time over the number of streams."""
+    (time x sm_fraction) over the whole GPU, and DRAM work likewise; total time over the number of streams."""
     fastest = [min(a.time_us for a in o.alternatives) for o in p.ops]
     finish = [0.0] * len(p.ops)
     for i, o in enumerate(p.ops):
         finish[i] = max((finish[j] for j in o.preds), default=0.0) + fastest[i]
     work = sum(min(a.time_us * a.sm_demand / SM_CAPACITY for a in o.alternatives) for o in p.ops)
-    return {"critical_path": max(finish, default=0.0), "sm_work": work, "streams": sum(fastest) / streams}
+    dram = sum(min(a.time_us * a.dram_demand / DRAM_CAPACITY for a in o.alternatives) for o in p.ops)
+    return {"critical_path": max(finish, default=0.0), "sm_work": work, **({"dram_work": dram} if dram else {}),
+            "streams": sum(fastest) / streams}
 
 
 def memory_lower_bound(p: Problem) -> tuple[int, str]:
@@ -79,7 +82,7 @@ def memory_lower_bound(p: Problem) -> tuple[int, str]:
 
 def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options = Options(),
                on_progress: Callable[[float, float, float], None] | None = None) -> Plan:
-    p = build_problem(graph, profile, options.max_alternatives, options.offload, options.recompute)
+    p = build_problem(graph, profile, options.max_alternatives, options.offload, options.recompute, options.dram)
     base = baseline(p)
     base_tm = timed(p, base)
     base_peak = peak_memory(p, base.decision, base_tm)[0]
