@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner.ir import Graph, Node
+from planner.ir import Graph, Node, recompute_nodes
 from planner.occupancy import blocks_per_sm, dram_fraction, sm_fraction
 from planner.ops import KINDS
 from planner.profile import (
@@ -281,7 +281,7 @@ def estimate_ops(graph: Graph, device: DeviceInfo, nodes: list[Node] | None = No
     """Estimates for the given nodes (default: one per distinct signature of the graph)."""
     rates = Rates(device, graph.dtype)
     if nodes is None:
-        nodes = list({n.signature: n for n in graph.nodes}.values())
+        nodes = list({n.signature: n for n in graph.nodes + list(recompute_nodes(graph).values())}.values())
     return [estimate_op(graph, n, rates) for n in nodes]
 
 

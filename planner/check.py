@@ -110,11 +110,9 @@ def _check_memory(plan: Plan, at: dict, makespan: float, v: list[str]) -> int:
     for r in plan.tensors:
         w = writer.get(r.tensor)
         born = at[_key(w)][0] if w else 0.0
-        late = set(r.late_readers)
         early_end = max([at[_key(w)][1] if w else 0.0,
-                         *(at[_key(op)][1] for op in readers.get(r.tensor, []) if op.node not in late
-                           or op.recompute_of is not None)])
-        late_ops = [op for op in readers.get(r.tensor, []) if op.node in late and op.recompute_of is None]
+                         *(at[_key(op)][1] for op in readers.get(r.tensor, []) if not r.second_serves(op))])
+        late_ops = [op for op in readers.get(r.tensor, []) if r.second_serves(op)]
         late_end = max((at[_key(op)][1] for op in late_ops), default=early_end)
         if r.is_output:
             early_end = makespan

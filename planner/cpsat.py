@@ -124,7 +124,8 @@ def add_keep_offload_recompute(m: cp_model.CpModel, p: Problem, v: Vars) -> None
     """keep[t] + offload[t] + recompute[t] = 1, and their timing:
 
     offload:   end[producer] <= start(d2h) ; end(d2h) <= start(h2d) ; end(h2d) <= start[c] for backward readers c
-    recompute: end(rec) <= start[c] for backward readers c ; the producer's inputs are kept and live until end(rec)
+    recompute: end(rec) <= start[c] for backward readers c ; for each input u of the chain that is not kept,
+               end(h2d[u]) <= start(rec) if u is offloaded, end(rec[u]) <= start(rec) if u is recomputed
     """
     for t, keep in v.keep.items():
         tu = p.tensors[t]
@@ -142,18 +143,20 @@ def add_keep_offload_recompute(m: cp_model.CpModel, p: Problem, v: Vars) -> None
             for c in tu.late:
                 m.add(rec.end_expr() <= v.start[c]).only_enforce_if(v.recompute[t])
             for u in tu.recompute_reads:
-                if u in v.keep:
-                    m.add_implication(v.recompute[t], v.keep[u])
+                if u in v.h2d:
+                    m.add(v.h2d[u].end_expr() <= rec.start_expr()).only_enforce_if([v.recompute[t], v.offload[u]])
+                if u in v.rec:
+                    m.add(v.rec[u].end_expr() <= rec.start_expr()).only_enforce_if([v.recompute[t], v.recompute[u]])
 
 
 def add_lifetimes(m: cp_model.CpModel, p: Problem, v: Vars, horizon: int) -> None:
     """Each tensor's residencies as intervals (see schedule.residency):
 
     first:  [start[producer], e1) with e1 >= end of the producer and of every forward reader (every reader when
-            kept), e1 >= end(d2h) if offloaded, e1 >= end(rec) of a recomputation reading it, e1 = makespan for
-            a graph output
+            kept), e1 >= end(d2h) if offloaded, e1 >= end(rec) of a recomputation reading it while it is kept,
+            e1 = makespan for a graph output
     second: [s2, e2), present unless kept, s2 = start(h2d) or start(rec), s2 >= e1, e2 >= end of every
-            backward reader
+            backward reader and of every recomputation reading it
     """
     readers_by_rec: dict[int, list[int]] = {}
     for t in v.rec:
@@ -168,7 +171,7 @@ def add_lifetimes(m: cp_model.CpModel, p: Problem, v: Vars, horizon: int) -> Non
         for c in tu.late:
             m.add(e1 >= v.end[c]).only_enforce_if(v.keep[t])
         for r in readers_by_rec.get(t, []):
-            m.add(e1 >= v.rec[r].end_expr()).only_enforce_if(v.recompute[r])
+            m.add(e1 >= v.rec[r].end_expr()).only_enforce_if([v.recompute[r], *([v.keep[t]] if t in v.keep else [])])
         if tu.is_output:
             m.add(e1 >= v.makespan)
         if tu.producer is not None:
@@ -186,6 +189,8 @@ def add_lifetimes(m: cp_model.CpModel, p: Problem, v: Vars, horizon: int) -> Non
         m.add(s2 >= e1).only_enforce_if(away)
         for c in tu.late:
             m.add(e2 >= v.end[c]).only_enforce_if(away)
+        for r in readers_by_rec.get(t, []):
+            m.add(e2 >= v.rec[r].end_expr()).only_enforce_if([v.recompute[r], away])
         if t in v.h2d:
             m.add(s2 == v.h2d[t].start_expr()).only_enforce_if(v.offload[t])
             m.add(e1 >= v.d2h[t].end_expr()).only_enforce_if(v.offload[t])

@@ -22,50 +22,12 @@ def fastest_alternatives(p: Problem) -> list[int]:
             for o in p.ops]
 
 
-def serial(p: Problem, alt: list[int], offloaded: set[int] = frozenset(), recomputed: set[int] = frozenset()
-           ) -> Schedule:
-    """Ops back to back in graph order; offloaded tensors copied out after their producer and back ahead of
-    their first backward reader, which waits for the copy if it is late; recomputations run on the same stream
-    just before their first backward reader."""
-    dur = [o.alternatives[a].duration for o, a in zip(p.ops, alt)]
-    trigger: dict[int, list[int]] = {}
-    for t in offloaded:
-        first_late = min(p.tensors[t].late)
-        k, covered = first_late, 0
-        while k > 0 and covered < PREFETCH_HEADROOM * p.tensors[t].h2d_ticks:
-            k -= 1
-            covered += dur[k]
-        last_early = max([p.tensors[t].producer or 0, *p.tensors[t].early])
-        trigger.setdefault(max(k, last_early + 1), []).append(t)
-    produced_by: dict[int, list[int]] = {}
-    for t in offloaded:
-        if p.tensors[t].producer is not None:
-            produced_by.setdefault(p.tensors[t].producer, []).append(t)
-    waits: dict[int, list[int]] = {}
-    for t in offloaded:
-        for c in p.tensors[t].late:
-            waits.setdefault(c, []).append(t)
-    recompute_before: dict[int, list[int]] = {}
-    for t in recomputed:
-        recompute_before.setdefault(min(p.tensors[t].late), []).append(t)
-    s = Schedule(alt=list(alt), start=[0] * len(p.ops), decision={t: "offload" for t in offloaded})
-    s.decision.update({t: "recompute" for t in recomputed})
-    now = d2h_free = h2d_free = 0
-    for t in offloaded:  # graph inputs are there from the start
-        if p.tensors[t].producer is None:
-            s.d2h_start[t] = d2h_free
-            d2h_free += p.tensors[t].d2h_ticks
-    for i in range(len(p.ops)):
-        for t in sorted(trigger.get(i, []), key=lambda t: min(p.tensors[t].late)):
-            s.h2d_start[t] = max(h2d_free, now, s.d2h_start[t] + p.tensors[t].d2h_ticks)
-            h2d_free = s.h2d_start[t] + p.tensors[t].h2d_ticks
-        for t in recompute_before.get(i, []):
-            s.recompute_start[t], now = now, now + p.tensors[t].recompute.duration
-        start = max([now, *(s.h2d_start[t] + p.tensors[t].h2d_ticks for t in waits.get(i, []))])
-        s.start[i], now = start, start + dur[i]
-        for t in produced_by.get(i, []):
-            s.d2h_start[t] = max(d2h_free, now)
-            d2h_free = s.d2h_start[t] + p.tensors[t].d2h_ticks
+def serial(p: Problem, alt: list[int]) -> Schedule:
+    """Ops back to back in graph order, everything kept: what a framework does."""
+    s = Schedule(alt=list(alt), start=[0] * len(p.ops))
+    now = 0
+    for i, o in enumerate(p.ops):
+        s.start[i], now = now, now + o.alternatives[alt[i]].duration
     return s
 
 
@@ -102,26 +64,37 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
     memory to be freed; only when nothing is running does the most urgent item go ahead over the cap (recorded
     in `over`).
     A recomputation is ready once its producer ended and every other predecessor of its first backward reader
-    started: late enough to hold its memory briefly, early enough to run beside that predecessor.
+    started: late enough to hold its memory briefly, early enough to run beside that predecessor. One that reads
+    a tensor no longer kept waits for that tensor's copy back or recomputation (a needer of it, like a reader).
     """
     n, tensors = len(p.ops), p.tensors
     rec = sorted(t for t, d in decision.items() if d == "recompute")
     off = sorted(t for t, d in decision.items() if d == "offload")
+    job_of = {t: n + k for k, t in enumerate(rec)}
     jobs = [op.alternatives for op in p.ops] + [[tensors[t].recompute] for t in rec]
     preds = [list(op.preds) for op in p.ops] + [[tensors[t].producer] for t in rec]
-    tail = _tails(p, jobs, preds, rec)
-    gate = [0] * len(jobs)  # unstarted predecessors of a recomputation's first reader
+    needers = {t: list(tensors[t].late) for t in rec + off}  # jobs that read t from its second residency
+    for t in rec:
+        for u in tensors[t].recompute_reads:
+            if u in needers:
+                needers[u].append(job_of[t])
+    tail = _tails(p, jobs, preds, rec, needers)
+    gate = [0] * len(jobs)  # unstarted predecessors of a recomputation's first needer
     gated_by: dict[int, list[int]] = {}
-    for k, t in enumerate(rec):
-        first = max(tensors[t].late, key=lambda c: (tail[c], -c))
-        for c in tensors[t].late:
-            preds[c].append(n + k)
-        for a in p.ops[first].preds:
-            gated_by.setdefault(a, []).append(n + k)
-            gate[n + k] += 1
+    root: dict[int, int] = {}  # a recomputation's first needer, followed through recomputations to an op
+    for t in sorted(rec, key=lambda t: -tensors[t].producer):  # recomputations that read t come first
+        j = job_of[t]
+        first = max(needers[t], key=lambda c: (tail[c], -c))
+        root[j] = root.get(first, first)
+        for c in needers[t]:
+            preds[c].append(j)
+        for a in p.ops[root[j]].preds:
+            if tail[a] > tail[first]:  # never one that waits for this recomputation (its tail is shorter)
+                gated_by.setdefault(a, []).append(j)
+                gate[j] += 1
     blocked = [len(ps) for ps in preds]  # unfinished predecessors, plus prefetches not yet back
     for t in off:
-        for c in tensors[t].late:
+        for c in needers[t]:
             blocked[c] += 1
     succs: list[list[int]] = [[] for _ in jobs]
     for b, ps in enumerate(preds):
@@ -133,7 +106,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
     s = Schedule(alt=[0] * n, start=[0] * n, decision=dict(decision), status="list")
     start, choice = [0] * len(jobs), [0] * len(jobs)
     d2h_queue = [t for t in off if tensors[t].producer is None]
-    h2d_queue = sorted(off, key=lambda t: -max(tail[c] for c in tensors[t].late))
+    h2d_queue = sorted(off, key=lambda t: -max(tail[c] for c in needers[t]))
     d2h_busy = h2d_busy = None  # (end, tensor) of the copy in flight
     d2h_done: set[int] = set()
     running: list[tuple[int, int]] = []  # (end, job)
@@ -184,7 +157,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
                     free(t, decision.get(t, "keep") != "keep" and j in tensors[t].late)
             else:
                 for u in tensors[rec[j - n]].recompute_reads:
-                    free(u, False)
+                    free(u, decision.get(u, "keep") != "keep")
             for k in succs[j]:
                 unblock(k)
         if d2h_busy and d2h_busy[0] <= now:
@@ -192,7 +165,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             free(d2h_busy[1], False)
             d2h_busy = None
         if h2d_busy and h2d_busy[0] <= now:
-            for c in tensors[h2d_busy[1]].late:
+            for c in needers[h2d_busy[1]]:
                 unblock(c)
             h2d_busy = None
         if d2h_busy is None and d2h_queue:
@@ -206,7 +179,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             if h2d_busy is not None or not h2d_queue or h2d_queue[0] not in d2h_done or forward_left:
                 return False
             t = h2d_queue[0]
-            soon = front - max(tail[c] for c in tensors[t].late) <= PREFETCH_HEADROOM * tensors[t].h2d_ticks
+            soon = front - max(tail[c] for c in needers[t]) <= PREFETCH_HEADROOM * tensors[t].h2d_ticks
             if (timely and not soon) or (fits and used + tensors[t].bytes > cap_bytes):
                 return False
             h2d_queue.pop(0)
@@ -272,12 +245,17 @@ def _residency_counts(p: Problem, decision: dict[int, Decision], rec: list[int])
         second[t] = len(tu.late) if how != "keep" else 0
     for t in rec:
         for u in p.tensors[t].recompute_reads:
-            first[u] += 1
+            if decision.get(u, "keep") == "keep":
+                first[u] += 1
+            else:
+                second[u] += 1
     return first, second
 
 
-def _tails(p: Problem, jobs: list[list[Alternative]], preds: list[list[int]], rec: list[int]) -> list[int]:
-    """Longest path from each job's start to the end, at fastest durations (a recomputation: its reader's + its own)."""
+def _tails(p: Problem, jobs: list[list[Alternative]], preds: list[list[int]], rec: list[int],
+           needers: dict[int, list[int]]) -> list[int]:
+    """Longest path from each job's start to the end, at fastest durations (a recomputation: its own plus its
+    first needer's)."""
     n = len(p.ops)
     succs: list[list[int]] = [[] for _ in range(n)]
     for b in range(n):
@@ -286,9 +264,10 @@ def _tails(p: Problem, jobs: list[list[Alternative]], preds: list[list[int]], re
     tail = [0] * len(jobs)
     for j in _reverse_topological(preds[:n], succs):
         tail[j] = min(a.duration for a in jobs[j]) + max((tail[k] for k in succs[j]), default=0)
-    for k, t in enumerate(rec):
-        tail[n + k] = jobs[n + k][0].duration + max(tail[c] for c in p.tensors[t].late)
+    for k, t in sorted(enumerate(rec), key=lambda kt: -p.tensors[kt[1]].producer):
+        tail[n + k] = jobs[n + k][0].duration + max(tail[c] for c in needers[t])
     return tail
+
 
 def _reverse_topological(preds: list[list[int]], succs: list[list[int]]) -> list[int]:
     remaining = [len(s) for s in succs]
@@ -306,11 +285,10 @@ def _reverse_topological(preds: list[list[int]], succs: list[list[int]]) -> list
 def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400) -> Outcome | None:
     """Keep/offload/recompute decisions that meet the cap with the shortest list schedule found.
 
-    Starts: for each RECOMPUTE_LIMITS bound, recompute every tensor that cheap (per byte; cheapest first, while
-    what recomputations read stays kept), then offload the fewest other saved tensors, earliest made first
-    (their copies have the longest to hide in), that make the list schedule fit (bisection). The shortest
-    start is improved one decision at a time (keep, offload, recompute, with what each forces), kept when it
-    still fits and gets shorter. Deterministic: a budget of schedule evaluations, not of seconds.
+    Starts: for each RECOMPUTE_LIMITS bound, recompute every tensor that cheap (per byte), then offload the
+    fewest other saved tensors, earliest made first (their copies have the longest to hide in), that make the
+    list schedule fit (bisection). The shortest start is improved one decision at a time (keep, offload,
+    recompute), kept when it still fits and gets shorter. Deterministic: a budget of schedule evaluations, not of seconds.
     """
     evals = 0
 
@@ -329,10 +307,9 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400) -> O
     for limit in RECOMPUTE_LIMITS:
         decision: dict[int, Decision] = {}
         for t in by_cost:
-            cheap = p.tensors[t].recompute.time_us / p.tensors[t].bytes * 2**20 <= limit
-            if cheap and _allowed(p, {**decision, t: "recompute"}):
+            if p.tensors[t].recompute.time_us / p.tensors[t].bytes * 2**20 <= limit:
                 decision[t] = "recompute"
-        order = [t for t in made if _allowed(p, {**decision, t: "offload"})]
+        order = [t for t in made if t not in decision]
         lo, hi = 0, len(order)
         while lo <= hi and evals < max_evals:
             mid = (lo + hi) // 2
@@ -352,42 +329,15 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400) -> O
             for how in ("keep", "offload", "recompute") if tu.choosable else ():
                 if how == best.schedule.decision.get(t, "keep") or evals >= max_evals:
                     continue
-                trial = _with(p, best.schedule.decision, t, how)
-                if _allowed(p, trial):
-                    out = run(trial)
-                    if out.fits and out.makespan < best.makespan:
-                        best, improved = out, True
+                if how == "offload" and not tu.can_offload or how == "recompute" and not tu.can_recompute:
+                    continue
+                trial = {u: d for u, d in best.schedule.decision.items() if u != t}
+                if how != "keep":
+                    trial[t] = how
+                out = run(trial)
+                if out.fits and out.makespan < best.makespan:
+                    best, improved = out, True
     return best
 
 
 RECOMPUTE_LIMITS = (0.0, 3.0, 5.0, 10.0, float("inf"))  # us per MiB: recompute every tensor at most this dear
-
-
-def _with(p: Problem, decision: dict[int, Decision], t: int, how: Decision) -> dict[int, Decision]:
-    """`decision` with tensor t set to `how`, and what that forces: a recomputation's inputs kept, and a
-    recomputation that reads t (now off the device) offloaded instead."""
-    out = {u: d for u, d in decision.items() if u != t}
-    if how == "keep":
-        return out
-    out[t] = how
-    if how == "recompute":
-        for u in p.tensors[t].recompute_reads:
-            out.pop(u, None)
-    for r, d in list(out.items()):
-        if d == "recompute" and t in p.tensors[r].recompute_reads:
-            if p.tensors[r].can_offload:
-                out[r] = "offload"
-            else:
-                del out[r]
-    return out
-
-
-def _allowed(p: Problem, decision: dict[int, Decision]) -> bool:
-    """Each choice is one the tensor has, and what a recomputation reads stays kept."""
-    for t, how in decision.items():
-        tu = p.tensors[t]
-        if not (tu.can_offload if how == "offload" else tu.can_recompute):
-            return False
-        if how == "recompute" and any(u in decision for u in tu.recompute_reads):
-            return False
-    return True

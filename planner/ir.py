@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.files import FORMAT_VERSION, sha256_json
+from planner.ops import KINDS
 
 DType = Literal["fp32", "fp16", "int64", "uint8"]
 ITEMSIZE = {"fp32": 4, "fp16": 2, "int64": 8, "uint8": 1}
@@ -140,3 +141,40 @@ def finalize(graph: Graph) -> Graph:
     graph.__dict__.pop("graph_sha256", None)
     graph.__dict__.pop("node_by_name", None)
     return graph
+
+
+def recompute_nodes(graph: Graph) -> dict[tuple[str, ...], Node]:
+    """The fused recomputations of a training graph, keyed by the forward chain each replaces: a training
+    BatchNormalization and the ReLU after it ([bn, relu]), or the Add of a residual and the ReLU after that
+    ([bn, add, relu]), as one `bn_apply` node that reads the saved statistics and writes the ReLU's output. They
+    are not part of the graph; the profiler measures them and the solver prices a recomputation with them."""
+    if not graph.training:
+        return {}
+    by_name = graph.node_by_name
+
+    def only_forward_consumer(tensor: str) -> Node | None:
+        consumers = [by_name[c] for c in graph.tensors[tensor].consumers if by_name[c].phase == "forward"]
+        return consumers[0] if len(consumers) == 1 else None
+
+    out: dict[tuple[str, ...], Node] = {}
+    for bn in graph.nodes:
+        if bn.kind != "batchnorm" or not bn.attrs.get("training") or bn.phase != "forward":
+            continue
+        inputs = [*bn.inputs[:3], *bn.outputs[3:5]]
+        chain, residual = [bn], []
+        nxt = only_forward_consumer(bn.outputs[0])
+        if nxt is not None and nxt.kind == "add":
+            residual = [t for t in nxt.inputs if t != bn.outputs[0]]
+            chain.append(nxt)
+            nxt = only_forward_consumer(nxt.outputs[0])
+        if nxt is None or nxt.kind != "relu" or len(residual) > 1:
+            continue
+        chain.append(nxt)
+        attrs = {"relu": 1, "residual": len(residual)}
+        ins, outs = inputs + residual, nxt.outputs[:1]
+        in_shapes, out_shapes = [graph.tensors[t].shape for t in ins], [graph.tensors[t].shape for t in outs]
+        node = Node(name=f"{nxt.name}:recompute", kind="bn_apply", inputs=ins, outputs=outs, attrs=attrs,
+                    flops=KINDS["bn_apply"].flops(in_shapes, out_shapes, attrs),
+                    signature=op_signature("bn_apply", attrs, in_shapes, out_shapes, graph.dtype))
+        out[tuple(n.name for n in chain)] = node
+    return out

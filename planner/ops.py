@@ -74,6 +74,10 @@ _k("batchnorm", "[x, scale, bias, running_mean, running_var] -> [y] (training=Fa
    "saved_mean, saved_invstd] (training=True: batch statistics, population variance, ONNX momentum rule, "
    "running stats updated in place); attrs epsilon, momentum, training", recomputable=True,
    flops=lambda i, o, a: 4 * _numel(i[0]))
+_k("bn_apply", "[x, scale, bias, saved_mean, saved_invstd, z?] -> [y]: relu?(scale * (x - saved_mean) * saved_invstd "
+   "+ bias + z): a training BatchNormalization (with the Add (attr residual) and ReLU (attr relu) after it) "
+   "recomputed in the backward pass from the statistics its forward pass saved; made by "
+   "ir.recompute_nodes, never imported", flops=lambda i, o, a: (4 + a.get("residual", 0) + a.get("relu", 0)) * _numel(o[0]))
 _k("relu", "[x] -> [y]: max(x, 0)", recomputable=True)
 _k("clip", "[x] -> [y]: min(max(x, min), max) (ReLU6); attrs min, max", recomputable=True)
 _k("sigmoid", "[x] -> [y]: 1 / (1 + exp(-x))", recomputable=True)

@@ -8,6 +8,8 @@ from pydantic import BaseModel, Field
 
 from planner.files import FORMAT_VERSION
 
+FUSED_RECOMPUTE = "bn_apply:"  # prefix of a recomputation's algorithm when it runs as one fused bn_apply kernel
+
 
 class ScheduledOp(BaseModel):
     node: str
@@ -47,6 +49,14 @@ class Residency(BaseModel):
     late_readers: list[str] = Field(default_factory=list, description="readers served by the second residency "
                                                                       "(after the copy back or the recomputation)")
     is_output: bool = Field(False, description="a graph output: lives to the end of the iteration")
+
+    def second_serves(self, op: ScheduledOp) -> bool:
+        """Whether `op` finds this tensor in its second residency: the recomputation that makes it again, and,
+        when it is not kept, its backward readers and the recomputations that read it."""
+        if op.recompute_of == self.tensor:
+            return True
+        return self.decision != "keep" and (op.node in self.late_readers if op.recompute_of is None
+                                            else self.tensor in op.reads)
 
 
 class Totals(BaseModel):

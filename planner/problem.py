@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass, field
 
 from planner.files import PlannerError
-from planner.ir import Graph
+from planner.ir import Graph, recompute_nodes
 from planner.ops import KINDS
+from planner.plan import FUSED_RECOMPUTE
 from planner.profile import Candidate, DeviceInfo, Profile
 
 SM_CAPACITY = 100  # sm_fraction 1.0 in the cumulative's integer units
@@ -173,7 +174,12 @@ def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, off
     resident = sum(t.bytes for name, t in graph.tensors.items() if t.alias_of is None and t.persistent)
     problem = Problem(graph.model_name, graph.training, ops, tensors, resident, tick_us, profile.device,
                       profile.estimated, simplifications)
-    _mark_choices(problem, graph, offload, recompute)
+    fused = {chain: alternative(min(profile.ops[n.signature].candidates, key=lambda c: c.time_us))
+             for chain, n in recompute_nodes(graph).items() if profile.ops.get(n.signature)
+             and profile.ops[n.signature].candidates}
+    for a in fused.values():
+        a.name = FUSED_RECOMPUTE + a.name
+    _mark_choices(problem, graph, offload, recompute, fused)
     return problem
 
 
@@ -200,7 +206,8 @@ def _tensor_uses(graph: Graph, index: dict[str, int]) -> list[TensorUse]:
     return list(uses.values())
 
 
-def _mark_choices(problem: Problem, graph: Graph, offload: bool, recompute: bool) -> None:
+def _mark_choices(problem: Problem, graph: Graph, offload: bool, recompute: bool,
+                  fused: dict[tuple[str, ...], Alternative]) -> None:
     """Which tensors may be offloaded or recomputed: made in the forward pass (or graph inputs), saved for
     backward, big enough."""
     if not problem.training:
@@ -221,7 +228,7 @@ def _mark_choices(problem: Problem, graph: Graph, offload: bool, recompute: bool
         t.h2d_us = dev.copy_latency_us + t.bytes / dev.h2d_bytes_per_s * 1e6 if offload else 0.0
         t.d2h_ticks, t.h2d_ticks = problem.ticks(t.d2h_us), problem.ticks(t.h2d_us)
         if recompute and t.producer is not None:
-            _mark_recompute(problem, graph, t)
+            _mark_recompute(problem, graph, t, fused)
         if not t.choosable:
             t.early, t.late = sorted(t.early + t.late), []
 
@@ -229,10 +236,12 @@ def _mark_choices(problem: Problem, graph: Graph, offload: bool, recompute: bool
 MAX_CHAIN_OPS = 3
 
 
-def _mark_recompute(problem: Problem, graph: Graph, t: TensorUse) -> None:
+def _mark_recompute(problem: Problem, graph: Graph, t: TensorUse, fused: dict[tuple[str, ...], Alternative]
+                    ) -> None:
     """A saved tensor is recomputable from the chain of cheap forward ops that made it, walked back until every
-    input is a tensor kept for the backward pass anyway (or the chain is MAX_CHAIN_OPS long). BatchNormalization
-    in the chain is re-applied with its saved batch statistics (no running-stat update). A chain that would
+    input is a tensor saved for the backward pass anyway (or the chain is MAX_CHAIN_OPS long). BatchNormalization
+    in the chain is re-applied with its saved batch statistics (no running-stat update); a chain the profile
+    measured fused (BatchNormalization, Add?, ReLU as one `bn_apply` kernel) costs that. A chain that would
     hold unsaved inputs as big as the tensor itself (an Add of two BatchNormalization outputs) is not offered."""
     by_name = {u.name: i for i, u in enumerate(problem.tensors)}
     saved = {i for i, u in enumerate(problem.tensors)
@@ -264,11 +273,14 @@ def _mark_recompute(problem: Problem, graph: Graph, t: TensorUse) -> None:
     held = sum(problem.tensors[r].bytes for r in reads if r not in saved)
     if held >= t.bytes:  # the chain would hold unsaved inputs at least as big as what it frees
         return
+    t.can_recompute = True
+    t.recompute_chain, t.recompute_reads = chain, reads
+    if (one := fused.get(tuple(problem.ops[o].name for o in chain))) is not None:
+        t.recompute = one
+        return
     fastest = [min(problem.ops[o].alternatives, key=lambda a: a.time_us) for o in chain]
     intermediate = sum(problem.tensors[w].bytes for o in chain[:-1] for w in problem.ops[o].writes)
     time_us = sum(a.time_us for a in fastest)
-    t.can_recompute = True
-    t.recompute_chain, t.recompute_reads = chain, reads
     t.recompute = Alternative("+".join(a.name for a in fastest), time_us, problem.ticks(time_us),
                               max(a.workspace_bytes for a in fastest) + intermediate, max(a.sm_demand for a in fastest),
                               max(a.dram_demand for a in fastest))

@@ -62,21 +62,22 @@ def residency(p: Problem, decision: dict[int, Decision], tm: Timed) -> list[list
     A kept tensor lives from its producer's start (0 for a graph input) to its last reader's end (the end of
     the iteration for a graph output); an offloaded one until its copy out and its forward readers are done,
     then again from its copy back; a recomputed one again from its recomputation. A recomputation reads its
-    producer's inputs, which therefore live until it ends.
+    chain's inputs, which live until it ends: in their first residency if kept, else in their second (which
+    must have begun: the input was copied back or recomputed before).
     """
-    extra_reads: dict[int, list[float]] = {}
+    extra_reads: dict[tuple[int, bool], list[float]] = {}  # (tensor, second residency) -> recomputation ends
     for t, (_, rec_end) in tm.recompute.items():
         for u in p.tensors[t].recompute_reads:
-            extra_reads.setdefault(u, []).append(rec_end)
+            extra_reads.setdefault((u, decision.get(u, "keep") != "keep"), []).append(rec_end)
     out = []
     for i, t in enumerate(p.tensors):
         born = tm.op_start[t.producer] if t.producer is not None else 0.0
         first_end = max([tm.op_end[t.producer]] if t.producer is not None else [born])
-        first_end = max([first_end, *(tm.op_end[c] for c in t.early), *extra_reads.get(i, [])])
+        first_end = max([first_end, *(tm.op_end[c] for c in t.early), *extra_reads.get((i, False), [])])
         if t.is_output:
             first_end = tm.makespan
         how = decision.get(i, "keep")
-        late_end = max((tm.op_end[c] for c in t.late), default=first_end)
+        late_end = max([*(tm.op_end[c] for c in t.late), *extra_reads.get((i, True), [])], default=first_end)
         if how == "keep":
             out.append([(born, max(first_end, late_end))])
         elif how == "offload":

@@ -102,11 +102,13 @@ def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options 
         plan = build_plan(graph, p, base, totals, 1)
         plan.totals.baseline_makespan_us = plan.totals.makespan_us
         return plan
-    if base_peak <= cap_bytes:  # the cap does not bind: nothing to fit
-        return _solve_under(graph, p, cap_bytes, base, base_peak, options, on_progress,
-                            best_heuristic(p, cap_bytes, options.streams))
-    target, hint = _arena_fit(graph, p, cap_bytes, options.streams)
     fits = lambda plan: device_bytes(graph, plan) <= cap_bytes  # noqa: E731
+    if base_peak <= cap_bytes:  # the peak does not bind; the arena, in driver pages, may still
+        plan = _solve_under(graph, p, cap_bytes, base, base_peak, options, on_progress,
+                            best_heuristic(p, cap_bytes, options.streams))
+        if fits(plan):
+            return plan
+    target, hint = _arena_fit(graph, p, cap_bytes, options.streams)
     plan = _solve_under(graph, p, target, base, base_peak, options, on_progress, hint, fits)
     if hint is None and not fits(plan):
         raise CapTooSmall(f"CP-SAT's plan peaks under the cap {fmt_bytes(cap_bytes)} but its arena needs "

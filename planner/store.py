@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from planner.files import FORMAT_VERSION, PlannerError, atomic_write_text
-from planner.ir import Graph, Node
+from planner.ir import Graph, Node, recompute_nodes
 from planner.ops import KINDS
 from planner.profile import Candidate, DeviceInfo, OpProfile, Profile, describe_op
 
@@ -139,7 +139,7 @@ class ProfileStore:
         store, an entry that fell back to an estimate counts as missing: a newer runner may measure it."""
         stored = self.entries()
         out: dict[str, None] = {}
-        for n in graph.nodes:
+        for n in profiled_nodes(graph):
             entry = stored.get(n.signature)
             if not KINDS[n.kind].view and (entry is None or (entry.estimated and not self.estimated)):
                 out.setdefault(n.signature)
@@ -157,11 +157,19 @@ class ProfileStore:
                 ops[n.signature] = stored.ops[n.signature]
             else:
                 absent.append(n.name)
+        for n in recompute_nodes(graph).values():  # optional: without them a recomputation is priced as its chain
+            if n.signature in stored.ops:
+                ops[n.signature] = stored.ops[n.signature]
         if absent:
             raise PlannerError(f"{len(absent)} ops of {graph.model_name} are not in the profile store {self.path} "
                                f"(first: {absent[0]}); run `planner profile` for this model first")
         return Profile(estimated=self.estimated, device=stored.device, dtype=graph.dtype,
                        graph_sha256=graph.graph_sha256, ops=ops)
+
+
+def profiled_nodes(graph: Graph) -> list[Node]:
+    """What a profile measures: the graph's nodes and its fused recomputations (ir.recompute_nodes)."""
+    return graph.nodes + list(recompute_nodes(graph).values())
 
 
 def profile_graph(graph: Graph, store: ProfileStore, measure: Callable[[list[Node]], Iterable[OpProfile]],
@@ -172,11 +180,11 @@ def profile_graph(graph: Graph, store: ProfileStore, measure: Callable[[list[Nod
     so an interrupted run keeps what it finished. Returns the profile and how many ops were measured now.
     """
     if force:
-        todo = list(dict.fromkeys(n.signature for n in graph.nodes if not KINDS[n.kind].view))
+        todo = list(dict.fromkeys(n.signature for n in profiled_nodes(graph) if not KINDS[n.kind].view))
     else:
         todo = store.missing(graph)
     first = {}
-    for n in graph.nodes:
+    for n in profiled_nodes(graph):
         first.setdefault(n.signature, n)
     done, pending, last_flush = 0, [], time.monotonic()
     try:

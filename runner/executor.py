@@ -17,9 +17,9 @@ import math
 import numpy as np
 
 from planner.files import PlannerError
-from planner.ir import Graph
+from planner.ir import Graph, recompute_nodes
 from planner.memsize import fmt_bytes
-from planner.plan import Copy, Plan, ScheduledOp
+from planner.plan import FUSED_RECOMPUTE, Copy, Plan, ScheduledOp
 from runner.arena import add_reuse_waits, aligned, assign_offsets, first_over, persistent_tensors, plan_blocks
 from runner.gpu import gpu
 from runner.launch_order import launch_order
@@ -84,6 +84,7 @@ class Execution:
                                                                       for s in stream_ids if s}
         self.staging = {t: cp.empty(graph.tensors[t].shape, NUMPY_DTYPE[graph.tensors[t].dtype])
                         for t in graph.inputs}
+        self.fused = recompute_nodes(graph)
         self.ops = [self._build(i, op) for i, op in enumerate(self.plan.ops)]
         cp.cuda.Device().synchronize()
         cp.get_default_memory_pool().free_all_blocks()
@@ -107,9 +108,13 @@ class Execution:
                 arr.fill(0)
 
     def _build(self, i: int, op: ScheduledOp):
-        """(node, GPU op, candidate index) for each node the plan op runs: one, or a recomputation's chain, where
-        BatchNormalization is re-applied with its saved statistics and each other op runs the candidate named
-        in the plan's `a+b` algorithm (its fastest)."""
+        """(node, GPU op, candidate index) for each node the plan op runs: one; a fused recomputation's bn_apply
+        node; or a recomputation's chain, where BatchNormalization is re-applied with its saved statistics and
+        each other op runs the candidate named in the plan's `a+b` algorithm (its fastest)."""
+        if op.recompute_of and op.algorithm.startswith(FUSED_RECOMPUTE):
+            node = self.fused[tuple(op.recompute_nodes)]
+            impl = build_op(self.graph, node, self.handles[op.stream])
+            return [(node, impl, [c for c, _ in impl.candidates].index(op.algorithm[len(FUSED_RECOMPUTE):]))]
         names = op.recompute_nodes or [op.node]
         wanted = op.algorithm.split("+") if op.recompute_of else [op.algorithm]
         built = []
@@ -170,7 +175,7 @@ class Execution:
                 outputs[0] = strided_view(workspace.data + used, first.shape, first.dtype)
                 made[self.graph.storage_of(node.outputs[0])] = outputs[0]
                 used += -(-first.bytes // 256) * 256
-            if isinstance(impl, BatchNormApply):
+            if node.kind == "batchnorm":  # unfused, re-applied: the statistics its forward pass saved
                 inputs = inputs[:3] + [self.array(key, t) for t in node.outputs[3:5]]
             impl.launch(index, inputs, outputs, workspace[used:])
 

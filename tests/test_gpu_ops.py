@@ -98,6 +98,9 @@ CASES = [
     ("batchnorm", {**BN, "training": True}, [X, (6,), (6,), (6,), (6,)]),
     ("batchnorm", {**BN, "training": True}, [(8, 32, 14, 14), (32,), (32,), (32,), (32,)]),
     ("batchnorm", {**BN, "training": True}, [(16, 6), (6,), (6,), (6,), (6,)]),
+    ("bn_apply", {"relu": 1, "residual": 0}, [X, (6,), (6,), (6,), (6,)]),
+    ("bn_apply", {"relu": 1, "residual": 1}, [(8, 32, 14, 14), (32,), (32,), (32,), (32,), (8, 32, 14, 14)]),
+    ("bn_apply", {"relu": 0, "residual": 1}, [X, (6,), (6,), (6,), (6,), X]),
     ("batchnorm_bwd", {"epsilon": 1e-3}, [X, X, (6,), (6,), (6,)]),
     ("batchnorm_bwd", {"epsilon": 1e-3}, [(8, 32, 14, 14), (8, 32, 14, 14), (32,), (32,), (32,)]),
     ("lrn", LRN, [X]), ("lrn", {**LRN, "size": 4}, [X]), ("lrn_bwd", LRN, [X, X]), ("lrn_bwd", {**LRN, "size": 4}, [X, X]),
@@ -111,7 +114,7 @@ CASES = [
     ("conv_bwd_data", {**CONV, "x_shape": [2, 4, 9, 7]}, [(2, 6, 9, 7), (6, 4, 3, 3)]),
     ("conv_bwd_filter", {**CONV, "w_shape": [6, 4, 3, 3]}, [(2, 4, 9, 7), (2, 6, 9, 7)]),
 ]
-DTYPES_IN = {"batchnorm": "xffff", "batchnorm_bwd": "xxfff", "softmax_xent": "xi", "softmax_xent_bwd": "fi",
+DTYPES_IN = {"batchnorm": "xffff", "bn_apply": "xffffx", "batchnorm_bwd": "xxfff", "softmax_xent": "xi", "softmax_xent_bwd": "fi",
              "dropout_bwd": "xu", "sgd": "xxf"}
 DTYPES_OUT = {"batchnorm": "xffff", "batchnorm_bwd": "xff", "softmax_xent": "ff", "dropout": "xu", "sgd": "xf"}
 IN_PLACE = {"sgd": {0: 0, 1: 2}, "batchnorm": {1: 3, 2: 4}}

@@ -8,6 +8,7 @@ from planner.onnx_import import import_onnx
 from planner.solve import CapTooSmall, Options, solve_plan
 from planner.store import ProfileStore, profile_graph
 from planner.training import build_training
+from runner.arena import DRIVER_PAGE_BYTES
 from test_gpu_ops import _small_training_model
 
 pytestmark = pytest.mark.gpu
@@ -65,8 +66,8 @@ def test_capped_training_plan_validates(tmp_path, recompute):
     plan = None
     for tenths in range(9, 1, -1):
         try:
-            plan = solve_plan(graph, profile, full.totals.resident_bytes + activations * tenths // 10,
-                              Options(time_limit_s=10, workers=4, recompute=recompute))
+            plan = solve_plan(graph, profile, full.totals.resident_bytes + activations * tenths // 10
+                              + 2 * DRIVER_PAGE_BYTES, Options(time_limit_s=10, workers=4, recompute=recompute))
         except CapTooSmall:
             break
         if plan.copies or any(op.recompute_of for op in plan.ops):

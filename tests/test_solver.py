@@ -20,12 +20,13 @@ from planner.memsize import parse_size, parse_sizes
 from planner.onnx_import import import_onnx
 from planner.heuristic import fit_cap, list_schedule
 from planner.problem import Alternative, Op, Problem, TensorUse, build_problem
-from planner.schedule import peak_memory, timed
+from planner.schedule import peak_memory, residency, timed
 from planner.solve import CapTooSmall, Options, best_heuristic, device_bytes, solve_plan
 from planner.stats import serial_peak_bytes
 from planner.streams import build_plan
 from planner.training import build_training
-from planner.plan import Totals
+from runner.arena import DRIVER_PAGE_BYTES
+from planner.plan import FUSED_RECOMPUTE, Totals
 
 MODELS = Path(__file__).parent / "models"
 H100 = load_device("h100")
@@ -116,7 +117,7 @@ def test_random_plans_pass_the_independent_check(seed):
     rng = random.Random(100 + seed)
     p = random_problem(rng, n_ops=rng.randint(6, 12), n_alts=rng.randint(1, 3), training=bool(seed % 2))
     free = solve_tiny(p, 1 << 40, 4).schedule
-    from planner.schedule import peak_memory, timed
+    from planner.schedule import peak_memory, residency, timed
     uncapped_peak = peak_memory(p, {}, timed(p, free))[0]
     cap = max(int(uncapped_peak * rng.uniform(0.6, 1.0)), 1)
     result = solve_tiny(p, cap, rng.randint(1, 4))
@@ -242,6 +243,39 @@ def test_a_cap_below_keeping_everything_offloads_or_recomputes_and_checks(depth,
     assert result.schedule is not None and result.schedule.makespan(p) <= fitted.makespan  # the hint is taken
 
 
+@pytest.mark.parametrize("how", ["recompute", "offload"])
+def test_a_recomputation_reads_an_input_that_is_itself_recomputed_or_copied_back(how):
+    """a3 is recomputed from a2, which is not kept either: a2 comes back first (its own recomputation or its
+    copy back), and its second residency covers a3's recomputation, in the list schedule and in CP-SAT."""
+    p = chain_problem(6)
+    listed = list_schedule(p, 1 << 30, 4, {2: how, 3: "recompute"}).schedule
+    tm = timed(p, listed)
+    back = tm.recompute[2][1] if how == "recompute" else tm.h2d[2][1]
+    assert back <= tm.recompute[3][0]
+    second = residency(p, listed.decision, tm)[2][1]
+    assert second[0] <= tm.recompute[3][0] and tm.recompute[3][1] <= second[1]
+    assert check_plan(_plan_of(p, listed, 1 << 30)).ok
+    cap = peak_memory(p, listed.decision, tm)[0]
+    solved = cpsat.solve(p, cap, 4, listed.makespan(p), time_limit_s=5, workers=2, hint=listed).schedule
+    assert solved is not None and solved.makespan(p) <= listed.makespan(p)
+    assert check_plan(_plan_of(p, solved, cap)).ok
+
+
+def test_a_batchnorm_relu_recomputation_is_priced_as_its_fused_kernel(googlenet_train_b1):
+    """With the fused bn_apply nodes in the profile, recomputing a ReLU output after a training BatchNormalization
+    costs the one fused kernel (no intermediate in its workspace); without them, the chain's ops one by one."""
+    prof = estimate_profile(googlenet_train_b1, H100)
+    fused = build_problem(googlenet_train_b1, prof)
+    relus = [t for t in fused.tensors if t.can_recompute and fused.ops[t.producer].kind == "relu"]
+    assert relus and all(t.recompute.name.startswith(FUSED_RECOMPUTE) and t.recompute.workspace_bytes == 0
+                         for t in relus)
+    prof.ops = {k: op for k, op in prof.ops.items() if op.kind != "bn_apply"}
+    chained = build_problem(googlenet_train_b1, prof)
+    t = next(u for u in chained.tensors if u.name == relus[0].name)
+    assert t.recompute.name.count("+") == 1 and t.recompute.workspace_bytes >= t.bytes  # the BN output held
+    assert t.recompute_reads == relus[0].recompute_reads
+
+
 @pytest.mark.parametrize("model,batch", [("squeezenet.train.op17.onnx", 8), ("mobilenet_v2.train.op17.onnx", 4)])
 def test_heuristic_fits_half_the_serial_peak_of_a_training_graph(model, batch):
     """At half the serial peak the old greedy serial schedule stalled above the cap (its offload copies could
@@ -266,14 +300,15 @@ def test_only_forward_tensors_are_offloaded_or_recomputed(googlenet_train_b1):
 
 def test_the_gpu_tests_small_model_needs_offloads_under_a_cap(tmp_path):
     """The premise of test_gpu_run's capped test, checked without a GPU: at batch 256 the small every-op model
-    has saved tensors big enough to offload, and 90% of its activations already needs copies; the plan fits as
-    the runner's arena and passes the check."""
+    has saved tensors big enough to offload, and 90% of its activations (plus the driver's page rounding)
+    already needs copies; the plan fits as the runner's arena, in driver pages, and passes the check."""
     from test_gpu_ops import _small_training_model
 
     g = build_training(import_onnx(_small_training_model(tmp_path), batch=256, dtype="fp16", training=True))
     prof = estimate_profile(g, H100)
     full = solve_plan(g, prof, H100.memory_bytes, Options(time_limit_s=5, workers=2))
     cap = full.totals.resident_bytes + (full.totals.peak_bytes - full.totals.resident_bytes) * 9 // 10
+    cap += 2 * DRIVER_PAGE_BYTES  # the arena and the persistent tensors may each end in a part-used page
     plan = solve_plan(g, prof, cap, Options(time_limit_s=10, workers=2, recompute=False))
     assert plan.copies and device_bytes(g, plan) <= cap
     assert check_plan(plan).ok

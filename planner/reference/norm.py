@@ -25,6 +25,15 @@ def batchnorm(inputs, attrs):
     return [y, mean * m + batch_mean * (1 - m), var * m + batch_var * (1 - m), batch_mean, invstd]
 
 
+def bn_apply(inputs, attrs):
+    x, scale, bias, mean, invstd = inputs[:5]
+    cv = lambda v: _channel_view(v, x.ndim)  # noqa: E731
+    y = cv(scale) * (x - cv(mean)) * cv(invstd) + cv(bias)
+    if attrs["residual"]:
+        y = y + inputs[5]
+    return [np.maximum(y, 0) if attrs["relu"] else y]
+
+
 def batchnorm_bwd(inputs, attrs):
     x, dy, scale, mean, invstd = inputs
     cv = lambda v: _channel_view(v, x.ndim)  # noqa: E731
@@ -67,4 +76,4 @@ def lrn_bwd(inputs, attrs):
     return [dy * s ** -beta - 2 * beta * attrs["alpha"] / size * x * back]
 
 
-KERNELS = {"batchnorm": batchnorm, "batchnorm_bwd": batchnorm_bwd, "lrn": lrn, "lrn_bwd": lrn_bwd}
+KERNELS = {"batchnorm": batchnorm, "bn_apply": bn_apply, "batchnorm_bwd": batchnorm_bwd, "lrn": lrn, "lrn_bwd": lrn_bwd}

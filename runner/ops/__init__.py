@@ -24,7 +24,7 @@ for _family in (conv, elementwise, gemm, loss, norm, optim, pool):
 assert set(OPS) == {k for k, v in KINDS.items() if not v.view}, set(OPS) ^ {k for k, v in KINDS.items() if not v.view}
 
 # inputs that must be positive: a variance and an inverse standard deviation
-POSITIVE_INPUTS = {("batchnorm", 4), ("batchnorm_bwd", 4)}
+POSITIVE_INPUTS = {("batchnorm", 4), ("batchnorm_bwd", 4), ("bn_apply", 4)}
 
 __all__ = ["OPS", "TensorSpec", "build_op", "host_inputs", "in_place", "specs_of"]
 

@@ -30,25 +30,48 @@ extern "C" __global__ void bn_infer(const T* x, T* y, const float* scale, const 
     }
 }
 
-// training batchnorm re-applied with the statistics its forward pass saved (a recomputation)
-extern "C" __global__ void bn_apply_saved(const T* x, T* y, const float* scale, const float* bias,
-                                          const float* mean, const float* invstd, int n, int C, int inner) {
+// training batchnorm re-applied with the statistics its forward pass saved (a recomputation), then the residual
+// z added (residual != 0) and ReLU (relu != 0): relu?(scale * (x - mean) * invstd + bias + z), one pass
+extern "C" __global__ void bn_apply_saved(const T* x, const T* z, T* y, const float* scale, const float* bias,
+                                          const float* mean, const float* invstd, int n, int C, int inner,
+                                          int residual, int relu) {
     GRID_LOOP(i, n) {
         int c = (i / inner) % C;
-        st(y, i, (ld(x, i) - mean[c]) * invstd[c] * scale[c] + bias[c]);
+        float v = (ld(x, i) - mean[c]) * invstd[c] * scale[c] + bias[c];
+        if (residual) v += ld(z, i);
+        st(y, i, relu ? fmaxf(v, 0.f) : v);
     }
 }
 
-// the same, VEC channels a thread (inner == 1, C a multiple of VEC, 16-byte aligned): nv = n / VEC groups
-extern "C" __global__ void bn_apply_saved_vec(const T* x, T* y, const float* scale, const float* bias,
-                                              const float* mean, const float* invstd, int nv, int C) {
-    GRID_LOOP(j, nv) {
-        long long i = (long long)j * VEC;
-        int c = (int)(i % C);
-        float v[VEC];
-        ldv<VEC>(x, i, v);
+// VEC per-channel floats from p + c as 16-byte loads (c a multiple of VEC, p 16-byte aligned)
+__device__ __forceinline__ void ld_channels(const float* p, int c, float* f) {
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) v[e] = (v[e] - mean[c + e]) * invstd[c + e] * scale[c + e] + bias[c + e];
+    for (int e = 0; e < VEC; e += 4) {
+        float4 q = __ldg(reinterpret_cast<const float4*>(p + c + e));
+        f[e] = q.x; f[e + 1] = q.y; f[e + 2] = q.z; f[e + 3] = q.w;
+    }
+}
+
+// the same, VEC channels a thread (inner == 1, C a multiple of VEC, every array 16-byte aligned): nv = n / VEC
+extern "C" __global__ void bn_apply_saved_vec(const T* x, const T* z, T* y, const float* scale, const float* bias,
+                                              const float* mean, const float* invstd, int nv, int C, int residual,
+                                              int relu) {
+    GRID_LOOP(j, nv) {
+        int i = j * VEC, c = i % C;
+        float v[VEC], w[VEC], g[VEC], b[VEC], m[VEC], s[VEC];
+        ldv<VEC>(x, i, v);
+        if (residual) ldv<VEC>(z, i, w);
+        ld_channels(scale, c, g);
+        ld_channels(bias, c, b);
+        ld_channels(mean, c, m);
+        ld_channels(invstd, c, s);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            float a = s[e] * g[e];
+            v[e] = v[e] * a + (b[e] - m[e] * a);
+            if (residual) v[e] += w[e];
+            if (relu) v[e] = fmaxf(v[e], 0.f);
+        }
         stv<VEC>(y, i, v);
     }
 }
@@ -195,20 +218,27 @@ class BatchNormInference(SingleKernelOp):
 
 
 class BatchNormApply(BatchNormInference):
-    """Training BatchNormalization recomputed from the mean and inverse deviation its forward pass saved:
-    inputs (x, scale, bias, saved_mean, saved_invstd), no running-statistics update."""
+    """Training BatchNormalization recomputed from the mean and inverse deviation its forward pass saved, with the
+    Add and ReLU after it fused when attrs say so (kind bn_apply): inputs (x, scale, bias, saved_mean,
+    saved_invstd, z?), no running-statistics update."""
+
+    def __init__(self, attrs, x: TensorSpec):
+        super().__init__({"epsilon": 0.0, **attrs}, x)
+        self.residual, self.relu = i32(attrs.get("residual", 0)), i32(attrs.get("relu", 0))
 
     def run(self, inputs, outputs, workspace):
-        x, scale, bias, mean, invstd = inputs
-        width = vector_width(self.dtype, x, outputs[0])
+        x, scale, bias, mean, invstd = inputs[:5]
+        z = inputs[5] if self.residual else x
+        aligned = vector_width("fp32", scale, bias, mean, invstd) > 1
+        width = vector_width(self.dtype, x, z, outputs[0]) if aligned else 1
         channels, inner = (int(v) for v in self.params[:2])
         if width > 1 and inner == 1 and channels % width == 0:
             nv = self.n // width
-            launch_1d(kernel(SRC, "bn_apply_saved_vec", self.dtype), nv, x, outputs[0], scale, bias, mean, invstd,
-                      i32(nv), i32(channels))
+            launch_1d(kernel(SRC, "bn_apply_saved_vec", self.dtype), nv, x, z, outputs[0], scale, bias, mean,
+                      invstd, i32(nv), i32(channels), self.residual, self.relu)
             return
-        launch_1d(kernel(SRC, "bn_apply_saved", self.dtype), self.n, x, outputs[0], scale, bias, mean, invstd,
-                  i32(self.n), *self.params[:2])
+        launch_1d(kernel(SRC, "bn_apply_saved", self.dtype), self.n, x, z, outputs[0], scale, bias, mean, invstd,
+                  i32(self.n), *self.params[:2], self.residual, self.relu)
 
 
 class _ColumnStats(SingleKernelOp):
@@ -348,6 +378,7 @@ def _batchnorm_bwd(attrs, ins, outs, handle):
 OPS = {
     "batchnorm": _batchnorm,
     "batchnorm_bwd": _batchnorm_bwd,
+    "bn_apply": lambda a, i, o, h: BatchNormApply(a, i[0]),
     "lrn": lambda a, i, o, h: Lrn("lrn", a, i[0]),
     "lrn_bwd": lambda a, i, o, h: Lrn("lrn_bwd", a, i[0]),
 }
