@@ -8,7 +8,7 @@ tensors are storages (a view or an in-place result shares its root's storage). T
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.files import PlannerError
 from planner.ir import Graph, recompute_nodes
@@ -174,11 +174,10 @@ def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, off
     resident = sum(t.bytes for name, t in graph.tensors.items() if t.alias_of is None and t.persistent)
     problem = Problem(graph.model_name, graph.training, ops, tensors, resident, tick_us, profile.device,
                       profile.estimated, simplifications)
-    fused = {chain: alternative(min(profile.ops[n.signature].candidates, key=lambda c: c.time_us))
+    fused = {chain: replace(a := alternative(min(profile.ops[n.signature].candidates, key=lambda c: c.time_us)),
+                            name=FUSED_RECOMPUTE + a.name)
              for chain, n in recompute_nodes(graph).items() if profile.ops.get(n.signature)
              and profile.ops[n.signature].candidates}
-    for a in fused.values():
-        a.name = FUSED_RECOMPUTE + a.name
     _mark_choices(problem, graph, offload, recompute, fused)
     return problem
 

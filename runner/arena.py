@@ -25,8 +25,9 @@ class Block:
     end: float  # instant it is free again (exclusive)
 
 
-def aligned(n: int) -> int:
-    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+def aligned(n: int, unit: int = ALIGN_BYTES) -> int:
+    """n rounded up to a whole number of `unit`s."""
+    return -(-n // unit) * unit
 
 
 def _overlap_in_time(a: Block, b: Block) -> bool:
@@ -72,11 +73,8 @@ def device_bytes(graph: Graph, plan: Plan) -> int:
     persistent tensors, two allocations, each taken in whole DRIVER_PAGE_BYTES pages. The arena can exceed the
     plan's peak (placement is not perfect), which is why the solver checks this number."""
     _, arena = assign_offsets(plan_blocks(plan)[0])
-    return in_pages(arena) + in_pages(sum(aligned(t.bytes) for t in persistent_tensors(graph)))
-
-
-def in_pages(n: int) -> int:
-    return -(-n // DRIVER_PAGE_BYTES) * DRIVER_PAGE_BYTES
+    persistent = sum(aligned(t.bytes) for t in persistent_tensors(graph))
+    return aligned(arena, DRIVER_PAGE_BYTES) + aligned(persistent, DRIVER_PAGE_BYTES)
 
 
 def first_over(blocks: list[Block], offsets: dict[str, int], limit_bytes: int) -> Block | None:

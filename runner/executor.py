@@ -174,7 +174,7 @@ class Execution:
             else:
                 outputs[0] = strided_view(workspace.data + used, first.shape, first.dtype)
                 made[self.graph.storage_of(node.outputs[0])] = outputs[0]
-                used += -(-first.bytes // 256) * 256
+                used += aligned(first.bytes)
             if node.kind == "batchnorm":  # unfused, re-applied: the statistics its forward pass saved
                 inputs = inputs[:3] + [self.array(key, t) for t in node.outputs[3:5]]
             impl.launch(index, inputs, outputs, workspace[used:])
