@@ -18,7 +18,7 @@ class OpKind:
     doc: str
     phase: str  # forward | loss | backward | update
     view: bool = False  # output is a view of input 0 (no kernel, no new storage)
-    recomputable: bool = False  # cheap enough to recompute in backward instead of keeping its output
+    recomputable: bool = False  # may be recomputed in backward instead of keeping its output (the solver weighs the cost)
     flops: Callable[[list[list[int]], list[list[int]], dict], int] = lambda i, o, a: sum(math.prod(s) for s in o)
 
 
@@ -66,7 +66,8 @@ def _k(name, doc, phase="forward", **kw):
 
 
 # forward
-_k("conv", "[x, w, b?] -> [y]: 2-D cross-correlation (ONNX Conv); attrs strides, pads [t,l,b,r], dilations, groups", flops=_conv_flops)
+_k("conv", "[x, w, b?] -> [y]: 2-D cross-correlation (ONNX Conv); attrs strides, pads [t,l,b,r], dilations, groups",
+   recomputable=True, flops=_conv_flops)
 _k("conv_fused", "[x, w, b?, z?] -> [y]: relu?(conv(x, w) + b + z): an inference Conv with the residual Add "
    "(attr residual: z is the last input) and the ReLU (attr relu) that follow it, one op; other attrs as conv",
    flops=lambda i, o, a: _conv_flops(i, o, a) + (a["residual"] + a["relu"]) * _numel(o[0]))

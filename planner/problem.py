@@ -237,8 +237,10 @@ MAX_CHAIN_OPS = 3
 
 def _mark_recompute(problem: Problem, graph: Graph, t: TensorUse, fused: dict[tuple[str, ...], Alternative]
                     ) -> None:
-    """A saved tensor is recomputable from the chain of cheap forward ops that made it, walked back until every
-    input is a tensor saved for the backward pass anyway (or the chain is MAX_CHAIN_OPS long). BatchNormalization
+    """A saved tensor is recomputable from the chain of forward ops that made it (cheap ones, and convolutions:
+    ResNet-50's convolution outputs, read by BatchNormalization's backward pass, are most of what it saves),
+    walked back until every input is a tensor saved for the backward pass anyway (or the chain is MAX_CHAIN_OPS
+    long). BatchNormalization
     in the chain is re-applied with its saved batch statistics (no running-stat update); a chain the profile
     measured fused (BatchNormalization, Add?, ReLU as one `bn_apply` kernel) costs that. A chain that would
     hold unsaved inputs as big as the tensor itself (an Add of two BatchNormalization outputs) is not offered."""
@@ -277,9 +279,18 @@ def _mark_recompute(problem: Problem, graph: Graph, t: TensorUse, fused: dict[tu
     if (one := fused.get(tuple(problem.ops[o].name for o in chain))) is not None:
         t.recompute = one
         return
-    fastest = [min(problem.ops[o].alternatives, key=lambda a: a.time_us) for o in chain]
+    fastest = [_recompute_alternative(problem.ops[o].alternatives, t.bytes) for o in chain]
     intermediate = sum(problem.tensors[w].bytes for o in chain[:-1] for w in problem.ops[o].writes)
     time_us = sum(a.time_us for a in fastest)
     t.recompute = Alternative("+".join(a.name for a in fastest), time_us, problem.ticks(time_us),
                               max(a.workspace_bytes for a in fastest) + intermediate, max(a.sm_demand for a in fastest),
                               max(a.dram_demand for a in fastest))
+
+
+def _recompute_alternative(alternatives: list[Alternative], freed_bytes: int) -> Alternative:
+    """A chain op's algorithm when recomputed: the fastest whose workspace is at most a quarter of the bytes the
+    recomputation frees (it runs when memory is tightest), else the leanest."""
+    lean = [a for a in alternatives if a.workspace_bytes <= freed_bytes // 4]
+    if lean:
+        return min(lean, key=lambda a: (a.time_us, a.workspace_bytes))
+    return min(alternatives, key=lambda a: (a.workspace_bytes, a.time_us))

@@ -154,20 +154,30 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
         if on_progress:
             on_progress(makespan_ticks * tick, max(bound_ticks * tick, *bounds.values()), elapsed_s)
 
-    from planner import cpsat  # OR-Tools only where CP-SAT runs: baseline plans work without it
-
-    result = cpsat.solve(p, cap_bytes, options.streams, horizon, options.time_limit_s, options.workers,
-                         options.seed, hint, progress)
-    schedule, status = result.schedule, result.status
-    if schedule is None or (hint is not None and hint.makespan(p) < schedule.makespan(p)):
+    if options.time_limit_s <= 0:  # the heuristic alone: no OR-Tools needed
         if hint is None:
-            raise _cap_too_small(p, cap_bytes, options, result.status)
-        schedule, status = hint, f"heuristic (CP-SAT: {result.status})"
-    bounds["solver"] = result.bound_ticks * tick
+            need = memory_lower_bound(p)[0]
+            raise CapTooSmall(f"the heuristic found no schedule under the cap {fmt_bytes(cap_bytes)}; give CP-SAT "
+                              f"a time limit to search further or compute the minimum (no schedule needs less "
+                              f"than {fmt_bytes(need)})", need)
+        result = None
+        schedule, status = hint, "heuristic (CP-SAT not run: time limit 0)"
+    else:
+        from planner import cpsat  # OR-Tools only where CP-SAT runs: baseline and heuristic plans work without it
+
+        result = cpsat.solve(p, cap_bytes, options.streams, horizon, options.time_limit_s, options.workers,
+                             options.seed, hint, progress)
+        schedule, status = result.schedule, result.status
+        if schedule is None or (hint is not None and hint.makespan(p) < schedule.makespan(p)):
+            if hint is None:
+                raise _cap_too_small(p, cap_bytes, options, result.status)
+            schedule, status = hint, f"heuristic (CP-SAT: {result.status})"
+        bounds["solver"] = result.bound_ticks * tick
     totals = Totals(makespan_us=0.0, peak_bytes=0, mem_cap_bytes=cap_bytes, lower_bound_us=max(bounds.values()),
                     bounds_us=bounds, solver_makespan_us=schedule.makespan(p) * tick,
                     baseline_makespan_us=sum(o.alternatives[a].time_us for o, a in zip(p.ops, base.alt)),
-                    baseline_peak_bytes=base_peak, status=status, gap=0.0, solve_time_s=result.wall_s)
+                    baseline_peak_bytes=base_peak, status=status, gap=0.0,
+                    solve_time_s=result.wall_s if result else 0.0)
     plan = build_plan(graph, p, schedule, totals, options.streams)
     if schedule is not hint and hint is not None and not fits(plan):
         totals.status, totals.solver_makespan_us = f"heuristic (CP-SAT's {status} schedule packs worse)", hint.makespan(p) * tick

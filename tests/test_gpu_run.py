@@ -2,6 +2,8 @@
 serial baseline plan, inference and training, and capped training plans with offloads and recomputations;
 every run must validate against the NumPy reference and stay under its cap. Skipped without a GPU."""
 
+import importlib.util
+
 import pytest
 
 from planner.onnx_import import import_onnx
@@ -12,6 +14,11 @@ from runner.arena import DRIVER_PAGE_BYTES
 from test_gpu_ops import _small_training_model
 
 pytestmark = pytest.mark.gpu
+CP_SAT = importlib.util.find_spec("ortools") is not None  # without it (the GPU machine), the heuristic plans
+
+
+def _options(time_limit_s: float, **kw) -> Options:
+    return Options(time_limit_s=time_limit_s if CP_SAT else 0, workers=4, **kw)
 
 
 def _profiled(tmp_path, train: bool, batch: int = 4):
@@ -47,8 +54,7 @@ def _run_and_check(graph, plan, device):
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
 def test_planned_and_baseline_runs_validate(tmp_path, train):
     graph, profile, device = _profiled(tmp_path, train)
-    options = Options(time_limit_s=5, workers=4)
-    _run_and_check(graph, solve_plan(graph, profile, device.memory_bytes, options), device)
+    _run_and_check(graph, solve_plan(graph, profile, device.memory_bytes, _options(5)), device)
     baseline = solve_plan(graph, profile, device.memory_bytes, Options(baseline=True))
     assert baseline.compute_streams == 1
     _run_and_check(graph, baseline, device)
@@ -61,13 +67,13 @@ def test_capped_training_plan_validates(tmp_path, recompute):
     of 1 MiB or more may be offloaded or recomputed (with the analytic H100 profile, 90% of the activations
     already needs 4 copies, or 1 recomputation)."""
     graph, profile, device = _profiled(tmp_path, True, batch=256)
-    full = solve_plan(graph, profile, device.memory_bytes, Options(time_limit_s=5, workers=4))
+    full = solve_plan(graph, profile, device.memory_bytes, _options(5))
     activations = full.totals.peak_bytes - full.totals.resident_bytes
     plan = None
     for tenths in range(9, 1, -1):
         try:
             plan = solve_plan(graph, profile, full.totals.resident_bytes + activations * tenths // 10
-                              + 2 * DRIVER_PAGE_BYTES, Options(time_limit_s=10, workers=4, recompute=recompute))
+                              + 2 * DRIVER_PAGE_BYTES, _options(10, recompute=recompute))
         except CapTooSmall:
             break
         if plan.copies or any(op.recompute_of for op in plan.ops):
@@ -76,3 +82,26 @@ def test_capped_training_plan_validates(tmp_path, recompute):
         pytest.skip("no feasible cap from 90% down to 20% of the activations needed an offload or a recomputation")
     report = _run_and_check(graph, plan, device)
     assert any(c.what == "round_trip" for c in report.checks) == bool(plan.copies)
+
+
+def test_every_recomputation_and_offload_at_once_validates(tmp_path):
+    """Not what a solver would pick, but every path at once: each recomputable saved tensor recomputed
+    (convolutions from their saved input, BatchNormalization with its saved statistics, chains, fused bn_apply,
+    nested ones reading other recomputed tensors), every other choosable one offloaded; the list schedule of
+    these decisions, as a plan, validates on the GPU."""
+    from planner.heuristic import list_schedule
+    from planner.plan import Totals
+    from planner.problem import build_problem
+    from planner.streams import build_plan
+
+    graph, profile, device = _profiled(tmp_path, True, batch=1024)  # every saved tensor of 1 MiB or more
+    p = build_problem(graph, profile)
+    decision = {t: "recompute" if u.can_recompute else "offload" for t, u in enumerate(p.tensors) if u.choosable}
+    recomputed = {p.ops[p.tensors[t].producer].kind for t, d in decision.items() if d == "recompute"}
+    assert "conv" in recomputed and "offload" in decision.values()
+    outcome = list_schedule(p, device.memory_bytes, 4, decision)
+    totals = Totals(makespan_us=0.0, peak_bytes=0, mem_cap_bytes=device.memory_bytes, lower_bound_us=0.0,
+                    baseline_makespan_us=0.0, status="list", gap=0.0, solve_time_s=0.0)
+    plan = build_plan(graph, p, outcome.schedule, totals, 4)
+    assert sum(op.recompute_of is not None for op in plan.ops) == list(decision.values()).count("recompute")
+    _run_and_check(graph, plan, device)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -166,6 +168,30 @@ def test_training_under_a_cap_offloads_or_recomputes_and_checks(googlenet_train_
     assert check_plan(plan).ok
 
 
+def test_a_time_limit_of_zero_plans_with_the_heuristic_alone_without_or_tools():
+    """What a GPU machine without OR-Tools can do: a capped training plan from the list-scheduling heuristic,
+    which passes the check; CP-SAT (and OR-Tools) is never imported."""
+    script = f"""
+import sys
+from planner.analytic import estimate_profile
+from planner.check import check_plan
+from planner.devices import load_device
+from planner.onnx_import import import_onnx
+from planner.problem import build_problem
+from planner.solve import Options, solve_plan
+from planner.stats import serial_peak_bytes
+from planner.training import build_training
+g = build_training(import_onnx({str(MODELS / "googlenet.train.onnx")!r}, batch=8, dtype="fp16", training=True))
+prof = estimate_profile(g, load_device("h100"))
+resident = build_problem(g, prof).resident_bytes
+plan = solve_plan(g, prof, resident + int((serial_peak_bytes(g) - resident) * 0.7), Options(time_limit_s=0))
+assert plan.totals.status.startswith("heuristic"), plan.totals.status
+assert plan.totals.offloaded_bytes + plan.totals.recomputed_bytes > 0 and check_plan(plan).ok
+assert not any(m.startswith("ortools") for m in sys.modules), "OR-Tools imported"
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parent.parent)
+
+
 def test_cap_below_any_schedule_exits_3_with_the_minimum(tmp_path):
     result = CliRunner().invoke(app, ["solve", str(MODELS / "googlenet.onnx"), "--mem", "1MB", "--analytic", "h100",
                                       "-o", str(tmp_path / "p.json")])
@@ -274,6 +300,23 @@ def test_a_batchnorm_relu_recomputation_is_priced_as_its_fused_kernel(googlenet_
     t = next(u for u in chained.tensors if u.name == relus[0].name)
     assert t.recompute.name.count("+") == 1 and t.recompute.workspace_bytes >= t.bytes  # the BN output held
     assert t.recompute_reads == relus[0].recompute_reads
+
+
+def test_a_convolution_output_is_recomputed_from_its_saved_input_with_a_lean_algorithm():
+    """ResNet-50 saves each convolution's output for BatchNormalization's backward pass; it may be recomputed
+    from the convolution's input (saved for the weight gradient anyway), with the fastest algorithm whose
+    workspace is at most a quarter of what it frees."""
+    g = build_training(import_onnx(MODELS / "resnet50.train.onnx", batch=16, dtype="fp16", training=True))
+    p = build_problem(g, estimate_profile(g, H100))
+    convs = [t for t in p.tensors if t.can_recompute and p.ops[t.producer].kind == "conv"]
+    assert len(convs) >= 40  # of 53; the smallest are under MIN_OFFLOAD_BYTES at batch 16
+    for t in convs:
+        op = p.ops[t.producer]
+        assert t.recompute_chain == [t.producer] and set(t.recompute_reads) == set(op.reads)
+        lean = [a for a in op.alternatives if a.workspace_bytes <= t.bytes // 4]
+        assert t.recompute.time_us == min(a.time_us for a in lean or op.alternatives)
+        if lean:
+            assert t.recompute.workspace_bytes <= t.bytes // 4
 
 
 @pytest.mark.parametrize("model,batch", [("squeezenet.train.op17.onnx", 8), ("mobilenet_v2.train.op17.onnx", 4)])
