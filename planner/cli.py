@@ -329,6 +329,46 @@ def check(plan_file: Path = typer.Argument(..., metavar="PLAN", help="plan JSON 
 
 
 @app.command()
+def calibrate(
+    reports: list[Path] = typer.Argument(..., metavar="REPORT...", help="`planner run --report` files (CUDA-graph "
+                                                                       "runs)"),
+    plans: Optional[list[Path]] = typer.Option(None, "--plan", help="the plan each report ran, in order (default: "
+                                                                    "the report's plan_file)"),
+    write: Optional[list[Path]] = typer.Option(None, "--write", help="profile files or store directories that get "
+                                                                     "the fitted dispatch time"),
+):
+    """Fit the per-op dispatch time that makes the plans' predictions match measured runs; --write stores it."""
+    from planner.calibrate import fit_dispatch_us, pair, write_dispatch
+    from planner.files import load_model
+    from planner.plan import Plan
+    from planner.report import RunReport
+
+    if plans and len(plans) != len(reports):
+        raise PlannerError(f"{len(reports)} reports but {len(plans)} --plan files")
+    runs = []
+    for k, path in enumerate(reports):
+        report = load_model(RunReport, path)
+        runs.append(pair(report, load_model(Plan, plans[k] if plans else Path(report.plan_file)),
+                         path.name.removesuffix(".json").removesuffix(".run")))
+    fingerprints = {r.plan.device_fingerprint for r in runs}
+    modes = {"training" if r.plan.training else "inference" for r in runs}
+    if len(fingerprints) > 1 or len(modes) > 1:
+        raise PlannerError("the runs mix devices or training with inference; calibrate one device and mode at a time")
+    mode = modes.pop()
+    dispatch = fit_dispatch_us(runs)
+    table = Table(title=f"{mode}: dispatch time per op {dispatch:.2f} us (mean error over {len(runs)} runs: 0)")
+    for col in ("run", "ops", "measured us", "predicted us (error)", "at the fitted dispatch (error)"):  # as `run`
+        table.add_column(col, justify="left" if col == "run" else "right", overflow="fold")
+    for r in runs:
+        table.add_row(r.name, str(len(r.plan.ops)), f"{r.measured_us:.1f}",
+                      f"{r.predicted_us:.1f} ({r.measured_us / r.predicted_us - 1:+.1%})",
+                      f"{r.fitted_us:.1f} ({r.measured_us / r.fitted_us - 1:+.1%})")
+    console.print(table)
+    for path in write_dispatch(write or [], fingerprints.pop(), mode, dispatch):
+        console.print(f"dispatch time written to {path}")
+
+
+@app.command()
 def show(plan_file: Path = typer.Argument(..., metavar="PLAN", help="plan JSON written by `planner solve`"),
          png: Optional[Path] = typer.Option(None, "--png", help="also draw the timeline as a PNG")):
     """Print a plan's per-stream timeline (and draw it with --png)."""

@@ -53,7 +53,7 @@ M = TypeVar("M", bound=BaseModel)
 
 def load_model(cls: type[M], path: str | os.PathLike, expect_graph_sha256: str | None = None) -> M:
     """Load a pipeline file, refusing other format versions and files made for another graph."""
-    kind = cls.__name__.lower()
+    kind = cls.model_fields["kind"].default if "kind" in cls.model_fields else cls.__name__.lower()
     try:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:

@@ -77,6 +77,7 @@ class Totals(BaseModel):
     offloaded_bytes: int = 0
     recomputed_bytes: int = 0
     tick_us: float = 0.1
+    dispatch_us: float = Field(0.0, description="the profile's per-op dispatch time, included in every op's duration")
     simplifications: list[str] = Field(default_factory=list)
 
 

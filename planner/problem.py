@@ -151,8 +151,9 @@ def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, off
     if tick_us > MIN_TICK_US:
         simplifications.append(f"time grid coarsened to {tick_us:g} us")
 
-    def alternative(c: Candidate) -> Alternative:
-        return Alternative(c.name, c.time_us, max(1, round(c.time_us / tick_us)), c.workspace_bytes,
+    def alternative(c: Candidate) -> Alternative:  # each op also pays the device's calibrated dispatch time
+        time_us = c.time_us + profile.device.dispatch_for(graph.training)
+        return Alternative(c.name, time_us, max(1, round(time_us / tick_us)), c.workspace_bytes,
                            max(1, min(SM_CAPACITY, math.ceil(c.sm_fraction * SM_CAPACITY - 1e-9))),
                            max(0, min(DRAM_CAPACITY, math.ceil(c.dram_fraction * DRAM_CAPACITY - 1e-9))) if dram else 0)
 

@@ -91,6 +91,13 @@ class DeviceInfo(BaseModel):
     copy_latency_us: float = 0.0
     copy_overlaps_compute: bool = True
     bidirectional_copies: bool = True
+    dispatch_us: dict[Literal["training", "inference"], float] = Field(
+        default_factory=dict, description="what each op adds to an iteration beyond its profiled time (dependency "
+        "resolution in the CUDA graph, co-running slowdown), per mode; fitted from measured runs by `planner "
+        "calibrate`, 0 until then")
+
+    def dispatch_for(self, training: bool) -> float:
+        return self.dispatch_us.get("training" if training else "inference", 0.0)
 
     @property
     def fingerprint(self) -> str:

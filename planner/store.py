@@ -126,6 +126,13 @@ class ProfileStore:
                 stored.ops[op.signature] = op
             atomic_write_text(self.path, stored.model_dump_json(indent=1) + "\n")
 
+    def set_dispatch_us(self, mode: str, dispatch_us: float) -> None:
+        """Record the device's calibrated per-op dispatch time in one mode (`planner calibrate`) under the lock."""
+        with self._locked():
+            stored = self._load()
+            stored.device.dispatch_us[mode] = dispatch_us
+            atomic_write_text(self.path, stored.model_dump_json(indent=1) + "\n")
+
     def import_profile(self, profile: Profile) -> int:
         """Add a profile file's entries (same device and kind only); returns how many."""
         require_same_device(profile.device, self.device)
@@ -199,9 +206,9 @@ def profile_graph(graph: Graph, store: ProfileStore, measure: Callable[[list[Nod
     return store.assemble(graph), done
 
 
-def measured_profile_for(graph: Graph, directory: str | os.PathLike) -> Profile | None:
-    """The graph's profile from the first measured store file in `directory` that holds every op, if any
-    (without a GPU there is no fingerprint to ask for, so each device's file is tried, in name order)."""
+def measured_stores(directory: str | os.PathLike) -> list[tuple[Path, DeviceInfo]]:
+    """Each measured store file in `directory` (in name order) with the device it was made on."""
+    out = []
     for path in sorted(Path(directory).glob("*.json")):
         if path.name.endswith(".estimated.json"):
             continue
@@ -209,10 +216,17 @@ def measured_profile_for(graph: Graph, directory: str | os.PathLike) -> Profile 
             device = DeviceInfo.model_validate(json.loads(path.read_text())["device"])
         except (OSError, ValueError, KeyError, ValidationError):
             continue
-        store = ProfileStore(directory, device)
-        if store.path == path:
-            try:
-                return store.assemble(graph)
-            except PlannerError:
-                continue
+        if ProfileStore(directory, device).path == path:
+            out.append((path, device))
+    return out
+
+
+def measured_profile_for(graph: Graph, directory: str | os.PathLike) -> Profile | None:
+    """The graph's profile from the first measured store file in `directory` that holds every op, if any
+    (without a GPU there is no fingerprint to ask for, so each device's file is tried, in name order)."""
+    for _, device in measured_stores(directory):
+        try:
+            return ProfileStore(directory, device).assemble(graph)
+        except PlannerError:
+            continue
     return None

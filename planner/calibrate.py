@@ -1,0 +1,109 @@
+"""Run reports -> the per-op dispatch time that makes predicted iterations match measured ones (`planner calibrate`).
+
+A profile times each op alone, replayed back to back on one stream. Inside an iteration's CUDA graph every op
+costs more: its kernels wait for the graph to resolve their dependencies (about 0.5 us after an op on the same
+stream, 2 us after an event from another stream, measured in H100 replay traces), and ops that run side by side
+slow each other down. Both scale with the number of ops, so the planner adds one constant, `dispatch_us`, to
+every op's profiled time. It is fitted here: each reported plan's streams and waits are replayed (the check's
+simulation) with every op's duration raised by a trial dispatch time, and bisection finds the one whose mean
+relative error over the runs is zero. Copies are left as the profile priced them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pathlib import Path
+
+from planner.check import simulate
+from planner.files import PlannerError, load_model, save_model
+from planner.plan import Plan
+from planner.profile import Profile
+from planner.report import RunReport
+from planner.store import ProfileStore, measured_stores
+
+MAX_DISPATCH_US = 50.0
+
+
+@dataclass
+class Calibrated:
+    """One run: the plan, what `planner run` measured, and the simulation at the fitted dispatch time."""
+
+    name: str
+    plan: Plan
+    measured_us: float
+    fitted_us: float = 0.0
+
+    @property
+    def predicted_us(self) -> float:
+        return self.plan.totals.makespan_us
+
+
+def simulated_makespan_us(plan: Plan, dispatch_us: float) -> float:
+    """The plan's iteration replayed with every op's duration re-priced at `dispatch_us` (in place of the one
+    it was solved with)."""
+    shift = dispatch_us - plan.totals.dispatch_us
+    retimed = plan.model_copy(update={"ops": [op.model_copy(update={"end_us": op.end_us + shift})
+                                              for op in plan.ops]})
+    times, stuck = simulate(retimed)
+    if stuck:
+        raise PlannerError(f"the plan of {plan.model_name} deadlocks in simulation: {stuck[0]}")
+    return max(end for _, end in times.values())
+
+
+def mean_error(runs: list[Calibrated], dispatch_us: float) -> float:
+    return sum(simulated_makespan_us(r.plan, dispatch_us) / r.measured_us - 1 for r in runs) / len(runs)
+
+
+def fit_dispatch_us(runs: list[Calibrated], tolerance_us: float = 0.01) -> float:
+    """The dispatch time at which the runs' mean relative error is zero (the makespan grows with it)."""
+    if not runs:
+        raise PlannerError("no run reports to calibrate from")
+    lo, hi = 0.0, MAX_DISPATCH_US
+    if mean_error(runs, lo) >= 0:
+        return 0.0  # already over-predicted without any dispatch time
+    if mean_error(runs, hi) < 0:
+        raise PlannerError(f"even {MAX_DISPATCH_US:g} us per op under-predicts these runs: the gap is not "
+                           "per-op overhead (copies? another GPU's profile?)")
+    while hi - lo > tolerance_us:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean_error(runs, mid) < 0 else (lo, mid)
+    dispatch = round((lo + hi) / 2, 2)
+    for r in runs:
+        r.fitted_us = simulated_makespan_us(r.plan, dispatch)
+    return dispatch
+
+
+def pair(report: RunReport, plan: Plan, name: str) -> Calibrated:
+    """A report with the plan it measured: refuse a plan that is not the one run (another prediction)."""
+    if plan.model_name != report.model_name or abs(plan.totals.makespan_us - report.predicted_us) > 1e-6 * max(
+            1.0, report.predicted_us):
+        raise PlannerError(f"{name}: the report predicted {report.predicted_us:.1f} us, the plan file "
+                           f"{report.plan_file} {plan.totals.makespan_us:.1f} us: not the plan that was run")
+    if report.mode != "graph":
+        raise PlannerError(f"{name}: an --eager run; calibrate from CUDA-graph replays")
+    return Calibrated(name, plan, report.measured_median_us)
+
+
+def write_dispatch(targets: list[Path], fingerprint: str, mode: str, dispatch_us: float) -> list[Path]:
+    """Set the mode's dispatch time in profile files and in store directories (their file for the device);
+    every target is checked before any is written."""
+    writes = []
+    for target in targets:
+        if target.is_dir():
+            stores = [(path, device) for path, device in measured_stores(target) if device.fingerprint == fingerprint]
+            if not stores:
+                raise PlannerError(f"{target}: no measured profile store for device {fingerprint!r}")
+            writes += [(path, ProfileStore(target, device)) for path, device in stores]
+            continue
+        profile = load_model(Profile, target)
+        if profile.device.fingerprint != fingerprint:
+            raise PlannerError(f"{target}: a profile of device {profile.device.fingerprint!r}, not {fingerprint!r}")
+        writes.append((target, profile))
+    for path, what in writes:
+        if isinstance(what, ProfileStore):
+            what.set_dispatch_us(mode, dispatch_us)
+        else:
+            what.device.dispatch_us[mode] = dispatch_us
+            save_model(what, path)
+    return [path for path, _ in writes]

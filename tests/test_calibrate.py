@@ -1,0 +1,73 @@
+"""`planner calibrate`: the per-op dispatch time fitted from run reports, stored in profiles and used by solve."""
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.analytic import estimate_profile
+from planner.calibrate import Calibrated, fit_dispatch_us, simulated_makespan_us
+from planner.check import check_plan
+from planner.cli import app
+from planner.devices import load_device
+from planner.files import PlannerError, load_model, save_model
+from planner.onnx_import import import_onnx
+from planner.profile import Profile
+from planner.report import RunReport
+from planner.solve import Options, solve_plan
+
+MODELS = Path(__file__).parent / "models"
+
+
+@pytest.fixture(scope="module")
+def solved():
+    g = import_onnx(MODELS / "googlenet.onnx", batch=1, dtype="fp16")
+    prof = estimate_profile(g, load_device("h100"))
+    return g, prof, solve_plan(g, prof, prof.device.memory_bytes, Options(time_limit_s=2, workers=2))
+
+
+def _report(plan, plan_file: Path, measured_us: float) -> RunReport:
+    return RunReport(plan_file=str(plan_file), model_name=plan.model_name, batch=plan.batch, dtype=plan.dtype,
+                     training=plan.training, device="test", mode="graph", iterations=1,
+                     measured_median_us=measured_us, measured_min_us=measured_us, measured_max_us=measured_us,
+                     predicted_us=plan.totals.makespan_us, error=0.0, measured_peak_bytes=0, arena_bytes=0,
+                     persistent_bytes=0, predicted_peak_bytes=0, cap_bytes=0, d2h_bytes=0, h2d_bytes=0,
+                     validated=False)
+
+
+def test_the_fit_recovers_the_dispatch_time_that_made_the_measurement(solved):
+    _, _, plan = solved
+    assert simulated_makespan_us(plan, 0.0) == pytest.approx(plan.totals.makespan_us, rel=1e-6)
+    runs = [Calibrated("a", plan, simulated_makespan_us(plan, 3.0))]
+    assert fit_dispatch_us(runs) == pytest.approx(3.0, abs=0.02)
+    assert runs[0].fitted_us == pytest.approx(runs[0].measured_us, rel=1e-3)
+    assert fit_dispatch_us([Calibrated("b", plan, plan.totals.makespan_us * 0.9)]) == 0.0  # over-predicted
+
+
+def test_calibrate_writes_the_profile_and_solve_then_prices_every_op_with_it(solved, tmp_path):
+    g, prof, plan = solved
+    plan_file, profile_file = tmp_path / "plan.json", tmp_path / "profile.json"
+    save_model(plan, plan_file)
+    save_model(prof, profile_file)
+    measured = simulated_makespan_us(plan, 2.0)
+    save_model(_report(plan, plan_file, measured), tmp_path / "run.json")
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--write", str(profile_file)])
+    assert result.exit_code == 0, result.output
+    calibrated = load_model(Profile, profile_file)
+    assert calibrated.device.dispatch_us["inference"] == pytest.approx(2.0, abs=0.02)
+    assert "training" not in calibrated.device.dispatch_us
+    again = solve_plan(g, calibrated, calibrated.device.memory_bytes, Options(time_limit_s=2, workers=2))
+    assert again.totals.dispatch_us == calibrated.device.dispatch_us["inference"]
+    assert all(op.end_us - op.start_us >= 2.0 for op in again.ops)
+    assert check_plan(again).ok  # the check replays the same durations: the prediction still agrees
+
+
+def test_a_report_of_another_plan_is_refused(solved, tmp_path):
+    _, _, plan = solved
+    save_model(plan, tmp_path / "plan.json")
+    report = _report(plan, tmp_path / "plan.json", 100.0)
+    report.predicted_us += 50
+    save_model(report, tmp_path / "run.json")
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json")])
+    assert result.exit_code != 0 and isinstance(result.exception, PlannerError)
+    assert "not the plan that was run" in str(result.exception)
