@@ -12,7 +12,6 @@ relative error over the runs is zero. Copies are left as the profile priced them
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from pathlib import Path
 
 from planner.check import simulate

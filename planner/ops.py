@@ -18,7 +18,7 @@ class OpKind:
     doc: str
     phase: str  # forward | loss | backward | update
     view: bool = False  # output is a view of input 0 (no kernel, no new storage)
-    recomputable: bool = False  # may be recomputed in backward instead of keeping its output (the solver weighs the cost)
+    recomputable: bool = False  # may be recomputed in backward instead of kept (the solver weighs the cost)
     flops: Callable[[list[list[int]], list[list[int]], dict], int] = lambda i, o, a: sum(math.prod(s) for s in o)
 
 
