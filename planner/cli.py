@@ -357,9 +357,9 @@ def calibrate(
     mode = modes.pop()
     dispatch = fit_dispatch_us(runs)
     table = Table(title=f"{mode}: dispatch time per op {dispatch:.2f} us (mean error over {len(runs)} runs: 0)")
-    for col in ("run", "ops", "measured us", "predicted us (error)", "at the fitted dispatch (error)"):  # as `run`
+    for col in ("run", "ops", "measured us", "predicted us (error)", "at the fitted dispatch (error)"):
         table.add_column(col, justify="left" if col == "run" else "right", overflow="fold")
-    for r in runs:
+    for r in runs:  # errors as `planner run` reports them: measured over predicted, minus 1
         table.add_row(r.name, str(len(r.plan.ops)), f"{r.measured_us:.1f}",
                       f"{r.predicted_us:.1f} ({r.measured_us / r.predicted_us - 1:+.1%})",
                       f"{r.fitted_us:.1f} ({r.measured_us / r.fitted_us - 1:+.1%})")

@@ -288,7 +288,8 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400) -> O
     Starts: for each RECOMPUTE_LIMITS bound, recompute every tensor that cheap (per byte), then offload the
     fewest other saved tensors, earliest made first (their copies have the longest to hide in), that make the
     list schedule fit (bisection). The shortest start is improved one decision at a time (keep, offload,
-    recompute), kept when it still fits and gets shorter. Deterministic: a budget of schedule evaluations, not of seconds.
+    recompute), kept when it still fits and gets shorter. Deterministic: a budget of schedule evaluations, not
+    of seconds.
     """
     evals = 0
 

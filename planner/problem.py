@@ -241,10 +241,10 @@ def _mark_recompute(problem: Problem, graph: Graph, t: TensorUse, fused: dict[tu
     """A saved tensor is recomputable from the chain of forward ops that made it (cheap ones, and convolutions:
     ResNet-50's convolution outputs, read by BatchNormalization's backward pass, are most of what it saves),
     walked back until every input is a tensor saved for the backward pass anyway (or the chain is MAX_CHAIN_OPS
-    long). BatchNormalization
-    in the chain is re-applied with its saved batch statistics (no running-stat update); a chain the profile
-    measured fused (BatchNormalization, Add?, ReLU as one `bn_apply` kernel) costs that. A chain that would
-    hold unsaved inputs as big as the tensor itself (an Add of two BatchNormalization outputs) is not offered."""
+    long). BatchNormalization in the chain is re-applied with its saved batch statistics (no running-stat
+    update); a chain the profile measured fused (BatchNormalization, Add?, ReLU as one `bn_apply` kernel) costs
+    that. A chain that would hold unsaved inputs as big as the tensor itself (an Add of two BatchNormalization
+    outputs) is not offered."""
     by_name = {u.name: i for i, u in enumerate(problem.tensors)}
     saved = {i for i, u in enumerate(problem.tensors)
              if any(problem.ops[c].phase in ("backward", "update") for c in u.early + u.late)}

@@ -118,19 +118,21 @@ class ProfileStore:
     def put_many(self, op_profiles: Iterable[OpProfile]) -> None:
         """Merge entries into the file under the lock; a later put for the same signature replaces the earlier."""
         new = list(op_profiles)
-        if not new:
-            return
-        with self._locked():
-            stored = self._load()
-            for op in new:
-                stored.ops[op.signature] = op
-            atomic_write_text(self.path, stored.model_dump_json(indent=1) + "\n")
+        if new:
+            self._rewrite(lambda stored: stored.ops.update((op.signature, op) for op in new))
 
     def set_dispatch_us(self, mode: str, dispatch_us: float) -> None:
-        """Record the device's calibrated per-op dispatch time in one mode (`planner calibrate`) under the lock."""
+        """Record the device's calibrated per-op dispatch time in one mode (`planner calibrate`)."""
+        def change(stored: StoreFile) -> None:
+            stored.device.dispatch_us[mode] = dispatch_us
+
+        self._rewrite(change)
+
+    def _rewrite(self, change: Callable[[StoreFile], None]) -> None:
+        """Re-read the file under the lock, apply `change`, replace it atomically."""
         with self._locked():
             stored = self._load()
-            stored.device.dispatch_us[mode] = dispatch_us
+            change(stored)
             atomic_write_text(self.path, stored.model_dump_json(indent=1) + "\n")
 
     def import_profile(self, profile: Profile) -> int:
