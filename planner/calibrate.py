@@ -6,12 +6,18 @@ stream, 2 us after an event from another stream, measured in H100 replay traces)
 slow each other down. Both scale with the number of ops, so the planner adds one constant, `dispatch_us`, to
 every op's profiled time. It is fitted here: each reported plan's streams and waits are replayed (the check's
 simulation) with every op's duration raised by a trial dispatch time, and bisection finds the one whose mean
-relative error over the runs is zero. Copies are left as the profile priced them.
+relative error over the runs is zero.
+
+Host copies are slower inside an iteration than alone (H100: 45-53 GB/s against 55 GB/s profiled; they share
+the memory system with the kernels), and a plan whose prefetch ends just in time stalls when it runs late. With
+`planner run --trace` files, each direction's `copy_slowdown` is fitted first: the traced copies' summed
+durations over what the profile priced them at alone. The dispatch fit then replays the plans with copies
+re-priced at it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.check import simulate
@@ -22,6 +28,7 @@ from planner.report import RunReport
 from planner.store import ProfileStore, measured_stores
 
 MAX_DISPATCH_US = 50.0
+DIRECTIONS = ("d2h", "h2d")
 
 
 @dataclass
@@ -32,18 +39,23 @@ class Calibrated:
     plan: Plan
     measured_us: float
     fitted_us: float = 0.0
+    copy_slowdown: dict[str, float] = field(default_factory=dict)  # the plan's copies re-priced at these
 
     @property
     def predicted_us(self) -> float:
         return self.plan.totals.makespan_us
 
 
-def simulated_makespan_us(plan: Plan, dispatch_us: float) -> float:
-    """The plan's iteration replayed with every op's duration re-priced at `dispatch_us` (in place of the one
-    it was solved with)."""
+def simulated_makespan_us(plan: Plan, dispatch_us: float, copy_slowdown: dict[str, float] | None = None) -> float:
+    """The plan's iteration replayed with every op's duration re-priced at `dispatch_us` and every copy's at
+    `copy_slowdown` (in place of those it was solved with)."""
     shift = dispatch_us - plan.totals.dispatch_us
-    retimed = plan.model_copy(update={"ops": [op.model_copy(update={"end_us": op.end_us + shift})
-                                              for op in plan.ops]})
+    scale = {d: (copy_slowdown or plan.totals.copy_slowdown).get(d, 1.0) / plan.totals.copy_slowdown.get(d, 1.0)
+             for d in DIRECTIONS}
+    retimed = plan.model_copy(update={
+        "ops": [op.model_copy(update={"end_us": op.end_us + shift}) for op in plan.ops],
+        "copies": [c.model_copy(update={"end_us": c.start_us + (c.end_us - c.start_us) * scale[c.direction]})
+                   for c in plan.copies]})
     times, stuck = simulate(retimed)
     if stuck:
         raise PlannerError(f"the plan of {plan.model_name} deadlocks in simulation: {stuck[0]}")
@@ -51,7 +63,8 @@ def simulated_makespan_us(plan: Plan, dispatch_us: float) -> float:
 
 
 def mean_error(runs: list[Calibrated], dispatch_us: float) -> float:
-    return sum(simulated_makespan_us(r.plan, dispatch_us) / r.measured_us - 1 for r in runs) / len(runs)
+    return sum(simulated_makespan_us(r.plan, dispatch_us, r.copy_slowdown) / r.measured_us - 1
+               for r in runs) / len(runs)
 
 
 def fit_dispatch_us(runs: list[Calibrated], tolerance_us: float = 0.01) -> float:
@@ -69,8 +82,31 @@ def fit_dispatch_us(runs: list[Calibrated], tolerance_us: float = 0.01) -> float
         lo, hi = (mid, hi) if mean_error(runs, mid) < 0 else (lo, mid)
     dispatch = round((lo + hi) / 2, 2)
     for r in runs:
-        r.fitted_us = simulated_makespan_us(r.plan, dispatch)
+        r.fitted_us = simulated_makespan_us(r.plan, dispatch, r.copy_slowdown)
     return dispatch
+
+
+def traced_copies(trace: dict, plan: Plan, name: str) -> list[tuple[str, float, float]]:
+    """(direction, measured us, us alone) of each planned copy in a `planner run --trace` file: the trace names
+    a copy "<direction> <tensor>"; its time alone is the plan's duration without the slowdown it was priced at."""
+    planned = {(c.direction, c.tensor): c for c in plan.copies}
+    out = []
+    for event in trace.get("traceEvents", []):
+        direction, _, tensor = str(event.get("name", "")).partition(" ")
+        c = planned.get((direction, tensor))
+        if event.get("cat") == "memcpy" and c is not None:
+            out.append((direction, float(event["dur"]),
+                        (c.end_us - c.start_us) / plan.totals.copy_slowdown.get(direction, 1.0)))
+    if plan.copies and not out:
+        raise PlannerError(f"{name}: no copy of the plan in the trace (a trace of another run?)")
+    return out
+
+
+def fit_copy_slowdown(copies: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Each direction's summed measured copy time over its summed time alone (directions without copies are
+    left out)."""
+    return {d: round(sum(m for k, m, _ in copies if k == d) / sum(a for k, _, a in copies if k == d), 3)
+            for d in DIRECTIONS if any(k == d for k, _, _ in copies)}
 
 
 def pair(report: RunReport, plan: Plan, name: str) -> Calibrated:
@@ -84,9 +120,10 @@ def pair(report: RunReport, plan: Plan, name: str) -> Calibrated:
     return Calibrated(name, plan, report.measured_median_us)
 
 
-def write_dispatch(targets: list[Path], fingerprint: str, mode: str, dispatch_us: float) -> list[Path]:
-    """Set the mode's dispatch time in profile files and in store directories (their file for the device);
-    every target is checked before any is written."""
+def write_calibration(targets: list[Path], fingerprint: str, mode: str, dispatch_us: float,
+                      copy_slowdown: dict[str, float]) -> list[Path]:
+    """Set the mode's dispatch time and the copy slowdown in profile files and in store directories (their file
+    for the device); every target is checked before any is written."""
     writes = []
     for target in targets:
         if target.is_dir():
@@ -101,8 +138,9 @@ def write_dispatch(targets: list[Path], fingerprint: str, mode: str, dispatch_us
         writes.append((target, profile))
     for path, what in writes:
         if isinstance(what, ProfileStore):
-            what.set_dispatch_us(mode, dispatch_us)
+            what.set_calibration(mode, dispatch_us, copy_slowdown)
         else:
             what.device.dispatch_us[mode] = dispatch_us
+            what.device.copy_slowdown.update(copy_slowdown)
             save_model(what, path)
     return [path for path, _ in writes]

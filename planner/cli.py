@@ -334,17 +334,23 @@ def calibrate(
                                                                        "runs)"),
     plans: Optional[list[Path]] = typer.Option(None, "--plan", help="the plan each report ran, in order (default: "
                                                                     "the report's plan_file)"),
+    traces: Optional[list[Path]] = typer.Option(None, "--trace", help="`planner run --trace` files of the same "
+                                                                      "runs, in order: also fit the copy slowdown"),
     write: Optional[list[Path]] = typer.Option(None, "--write", help="profile files or store directories that get "
-                                                                     "the fitted dispatch time"),
+                                                                     "the fitted dispatch time (and copy slowdown)"),
 ):
-    """Fit the per-op dispatch time that makes the plans' predictions match measured runs; --write stores it."""
-    from planner.calibrate import fit_dispatch_us, pair, write_dispatch
+    """Fit the per-op dispatch time (and, from traces, the copy slowdown) that make the plans' predictions match
+    measured runs; --write stores them."""
+    import json
+
+    from planner.calibrate import fit_copy_slowdown, fit_dispatch_us, pair, traced_copies, write_calibration
     from planner.files import load_model
     from planner.plan import Plan
     from planner.report import RunReport
 
-    if plans and len(plans) != len(reports):
-        raise PlannerError(f"{len(reports)} reports but {len(plans)} --plan files")
+    for what, given in (("--plan", plans), ("--trace", traces)):
+        if given and len(given) != len(reports):
+            raise PlannerError(f"{len(reports)} reports but {len(given)} {what} files")
     runs = []
     for k, path in enumerate(reports):
         report = load_model(RunReport, path)
@@ -355,17 +361,28 @@ def calibrate(
     if len(fingerprints) > 1 or len(modes) > 1:
         raise PlannerError("the runs mix devices or training with inference; calibrate one device and mode at a time")
     mode = modes.pop()
+    copies = []
+    for r, trace in zip(runs, traces or []):
+        try:
+            copies += traced_copies(json.loads(trace.read_text()), r.plan, trace.name)
+        except (OSError, ValueError) as e:
+            raise PlannerError(f"{trace}: not a readable trace ({e})") from None
+    copy_slowdown = fit_copy_slowdown(copies)
+    for r in runs:
+        r.copy_slowdown = {**r.plan.totals.copy_slowdown, **copy_slowdown}
     dispatch = fit_dispatch_us(runs)
-    table = Table(title=f"{mode}: dispatch time per op {dispatch:.2f} us (mean error over {len(runs)} runs: 0)")
-    for col in ("run", "ops", "measured us", "predicted us (error)", "at the fitted dispatch (error)"):
+    slowdown = ", ".join(f"{d} copies x{v:.3f}" for d, v in copy_slowdown.items())
+    table = Table(title=f"{mode}: dispatch time per op {dispatch:.2f} us{'; ' + slowdown if slowdown else ''} "
+                        f"(mean error over {len(runs)} runs: 0)")
+    for col in ("run", "ops", "measured us", "predicted us (error)", "at the fitted values (error)"):
         table.add_column(col, justify="left" if col == "run" else "right", overflow="fold")
     for r in runs:  # errors as `planner run` reports them: measured over predicted, minus 1
         table.add_row(r.name, str(len(r.plan.ops)), f"{r.measured_us:.1f}",
                       f"{r.predicted_us:.1f} ({r.measured_us / r.predicted_us - 1:+.1%})",
                       f"{r.fitted_us:.1f} ({r.measured_us / r.fitted_us - 1:+.1%})")
     console.print(table)
-    for path in write_dispatch(write or [], fingerprints.pop(), mode, dispatch):
-        console.print(f"dispatch time written to {path}")
+    for path in write_calibration(write or [], fingerprints.pop(), mode, dispatch, copy_slowdown):
+        console.print(f"calibration written to {path}")
 
 
 @app.command()

@@ -78,6 +78,8 @@ class Totals(BaseModel):
     recomputed_bytes: int = 0
     tick_us: float = 0.1
     dispatch_us: float = Field(0.0, description="the profile's per-op dispatch time, included in every op's duration")
+    copy_slowdown: dict[Literal["d2h", "h2d"], float] = Field(
+        default_factory=dict, description="the profile's calibrated copy slowdown, included in every copy's duration")
     simplifications: list[str] = Field(default_factory=list)
 
 

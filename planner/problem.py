@@ -224,8 +224,8 @@ def _mark_choices(problem: Problem, graph: Graph, offload: bool, recompute: bool
         t.early = [c for c in t.early if c not in late]
         t.late = late
         t.can_offload = offload
-        t.d2h_us = dev.copy_latency_us + t.bytes / dev.d2h_bytes_per_s * 1e6 if offload else 0.0
-        t.h2d_us = dev.copy_latency_us + t.bytes / dev.h2d_bytes_per_s * 1e6 if offload else 0.0
+        t.d2h_us = dev.copy_us("d2h", t.bytes) if offload else 0.0
+        t.h2d_us = dev.copy_us("h2d", t.bytes) if offload else 0.0
         t.d2h_ticks, t.h2d_ticks = problem.ticks(t.d2h_us), problem.ticks(t.h2d_us)
         if recompute and t.producer is not None:
             _mark_recompute(problem, graph, t, fused)
@@ -233,35 +233,38 @@ def _mark_choices(problem: Problem, graph: Graph, offload: bool, recompute: bool
             t.early, t.late = sorted(t.early + t.late), []
 
 
-MAX_CHAIN_OPS = 3
+MAX_CHAIN_OPS = 4
 
 
 def _mark_recompute(problem: Problem, graph: Graph, t: TensorUse, fused: dict[tuple[str, ...], Alternative]
                     ) -> None:
-    """A saved tensor is recomputable from the chain of forward ops that made it (cheap ones, and convolutions:
+    """A saved tensor is recomputable from the forward ops that made it (cheap ones, and convolutions:
     ResNet-50's convolution outputs, read by BatchNormalization's backward pass, are most of what it saves),
-    walked back until every input is a tensor saved for the backward pass anyway (or the chain is MAX_CHAIN_OPS
-    long). BatchNormalization in the chain is re-applied with its saved batch statistics (no running-stat
-    update); a chain the profile measured fused (BatchNormalization, Add?, ReLU as one `bn_apply` kernel) costs
-    that. A chain that would hold unsaved inputs as big as the tensor itself (an Add of two BatchNormalization
-    outputs) is not offered."""
+    walked back through every input not saved for the backward pass anyway, while the ops re-run stay within
+    MAX_CHAIN_OPS (ResNet-50's downsampling block output: both BatchNormalizations, the Add and the ReLU,
+    each BatchNormalization reading a saved convolution output). BatchNormalization is re-applied with its saved
+    batch statistics (no running-stat update); a chain the profile measured fused (BatchNormalization, Add?,
+    ReLU as one `bn_apply` kernel) costs that. A chain that would hold unsaved inputs as big as the tensor
+    itself is not offered."""
     by_name = {u.name: i for i, u in enumerate(problem.tensors)}
     saved = {i for i, u in enumerate(problem.tensors)
              if any(problem.ops[c].phase in ("backward", "update") for c in u.early + u.late)}
     chain: list[int] = []
-    op = t.producer
-    while True:
+    queue = [t.producer]
+    while queue:
+        op = queue.pop(0)
+        if op in chain:
+            continue
         node = graph.node_by_name[problem.ops[op].name]
         recomputable = KINDS[node.kind].recomputable and (len(node.outputs) == 1 or node.kind == "batchnorm")
         if not recomputable or problem.ops[op].phase != "forward":
             return
-        chain.insert(0, op)
-        unsaved = [r for r in problem.ops[op].reads if r not in saved and problem.tensors[r].producer is not None]
-        if not unsaved:
-            break
-        if len(unsaved) > 1 or len(chain) == MAX_CHAIN_OPS:
-            break
-        op = problem.tensors[unsaved[0]].producer
+        chain.append(op)
+        unsaved = {problem.tensors[r].producer for r in problem.ops[op].reads
+                   if r not in saved and problem.tensors[r].producer is not None} - set(chain) - set(queue)
+        if len(chain) + len(queue) + len(unsaved) <= MAX_CHAIN_OPS:  # else they are read as they are
+            queue += sorted(unsaved)
+    chain.sort()  # ops are in topological order: the producer of t comes last
     made = set()
     reads: list[int] = []
     for op in chain:

@@ -96,8 +96,19 @@ class DeviceInfo(BaseModel):
         "resolution in the CUDA graph, co-running slowdown), per mode; fitted from measured runs by `planner "
         "calibrate`, 0 until then")
 
+    copy_slowdown: dict[Literal["d2h", "h2d"], float] = Field(
+        default_factory=dict, description="a host copy's time inside an iteration over its time alone (it shares "
+        "the memory system with running kernels), per direction; fitted from run traces by `planner calibrate "
+        "--trace`, 1 until then")
+
     def dispatch_for(self, training: bool) -> float:
         return self.dispatch_us.get("training" if training else "inference", 0.0)
+
+    def copy_us(self, direction: Literal["d2h", "h2d"], nbytes: int) -> float:
+        """A host copy's duration inside an iteration: latency plus bytes at the rate measured alone, slowed
+        down as calibrated."""
+        rate = self.d2h_bytes_per_s if direction == "d2h" else self.h2d_bytes_per_s
+        return (self.copy_latency_us + nbytes / rate * 1e6) * self.copy_slowdown.get(direction, 1.0)
 
     @property
     def fingerprint(self) -> str:

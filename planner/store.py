@@ -121,10 +121,12 @@ class ProfileStore:
         if new:
             self._rewrite(lambda stored: stored.ops.update((op.signature, op) for op in new))
 
-    def set_dispatch_us(self, mode: str, dispatch_us: float) -> None:
-        """Record the device's calibrated per-op dispatch time in one mode (`planner calibrate`)."""
+    def set_calibration(self, mode: str, dispatch_us: float, copy_slowdown: dict[str, float]) -> None:
+        """Record the device's calibrated per-op dispatch time in one mode and copy slowdown (`planner
+        calibrate`)."""
         def change(stored: StoreFile) -> None:
             stored.device.dispatch_us[mode] = dispatch_us
+            stored.device.copy_slowdown.update(copy_slowdown)
 
         self._rewrite(change)
 

@@ -1,8 +1,10 @@
 """Offsets in one device-memory arena from the plan's residency intervals (no allocator, no fragmentation).
 
-Pure Python so it is tested without a GPU. Placement is greedy by size (largest first, each at the lowest
-offset where it overlaps no placed block that is live at the same time), which is close to the live-bytes
-lower bound on CNN lifetimes; the result is checked, never trusted.
+Pure Python so it is tested without a GPU. Placement is greedy: blocks in one order, each at the lowest offset
+where it overlaps no placed block that is live at the same time. Three orders are tried (largest first, longest
+lived first, largest size x lifetime first) and the smallest arena kept: size alone is best on most shipped
+capped training plans, longest-lived first on GoogLeNet at 40% of PyTorch's peak (4.3% above the live-bytes
+lower bound against 6.9%). The result is checked, never trusted.
 """
 
 from __future__ import annotations
@@ -44,11 +46,17 @@ def peak_live_bytes(blocks: list[Block]) -> int:
     return peak
 
 
-def assign_offsets(blocks: list[Block]) -> tuple[dict[str, int], int]:
-    """Offsets for every block and the arena size in bytes."""
+PLACEMENT_ORDERS = (
+    lambda b: (-b.size_bytes, b.start, b.name),
+    lambda b: (-(b.end - b.start), -b.size_bytes, b.name),
+    lambda b: (-b.size_bytes * (b.end - b.start), b.name),
+)
+
+
+def _first_fit(blocks: list[Block], order) -> tuple[dict[str, int], int]:
     placed: list[tuple[Block, int, int]] = []  # block, offset, aligned size
     offsets: dict[str, int] = {}
-    for block in sorted(blocks, key=lambda b: (-b.size_bytes, b.start, b.name)):
+    for block in sorted(blocks, key=order):
         size = aligned(block.size_bytes)
         busy = sorted((off, off + sz) for other, off, sz in placed if _overlap_in_time(block, other))
         offset = 0
@@ -58,7 +66,13 @@ def assign_offsets(blocks: list[Block]) -> tuple[dict[str, int], int]:
             offset = max(offset, hi)
         offsets[block.name] = offset
         placed.append((block, offset, size))
-    arena = max((off + sz for _, off, sz in placed), default=0)
+    return offsets, max((off + sz for _, off, sz in placed), default=0)
+
+
+def assign_offsets(blocks: list[Block]) -> tuple[dict[str, int], int]:
+    """Offsets for every block and the arena size in bytes: the smallest of the placement orders (the first
+    on ties, so results are deterministic)."""
+    offsets, arena = min((_first_fit(blocks, order) for order in PLACEMENT_ORDERS), key=lambda r: r[1])
     check_offsets(blocks, offsets)
     return offsets, arena
 

@@ -16,6 +16,14 @@ def test_chain_reuses_memory():
     assert offsets["a"] == offsets["c"] and offsets["b"] == offsets["d"] != offsets["a"]
 
 
+def test_a_lifetime_order_packs_what_largest_first_fragments():
+    """Largest first puts a and d at 0 and b above them; c, live with a and b, goes on top: 1792 B. Longest
+    lived first (b, then a and c beside it, d in the gap) reaches the live-bytes bound, 1280 B, and is kept."""
+    blocks = [Block("a", 768, 4, 6), Block("b", 512, 0, 4), Block("c", 512, 3, 5), Block("d", 768, 1, 2)]
+    _, arena = assign_offsets(blocks)
+    assert arena == peak_live_bytes(blocks) == 1280
+
+
 def test_sizes_are_aligned():
     offsets, arena = assign_offsets([Block("a", 10, 0, 2), Block("b", 10, 1, 3)])
     assert sorted(offsets.values()) == [0, ALIGN_BYTES] and arena == 2 * ALIGN_BYTES

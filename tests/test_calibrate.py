@@ -1,5 +1,7 @@
-"""`planner calibrate`: the per-op dispatch time fitted from run reports, stored in profiles and used by solve."""
+"""`planner calibrate`: the per-op dispatch time fitted from run reports and the copy slowdown from run traces, stored
+in profiles and used by solve."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,12 @@ from planner.cli import app
 from planner.devices import load_device
 from planner.files import PlannerError, load_model, save_model
 from planner.onnx_import import import_onnx
+from planner.problem import build_problem
 from planner.profile import Profile
 from planner.report import RunReport
 from planner.solve import Options, solve_plan
+from planner.stats import serial_peak_bytes
+from planner.training import build_training
 
 MODELS = Path(__file__).parent / "models"
 
@@ -71,3 +76,53 @@ def test_a_report_of_another_plan_is_refused(solved, tmp_path):
     result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json")])
     assert result.exit_code != 0 and isinstance(result.exception, PlannerError)
     assert "not the plan that was run" in str(result.exception)
+
+
+@pytest.fixture(scope="module")
+def offloading():
+    """A training plan that offloads (recomputation off), from the heuristic alone."""
+    g = build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=8, dtype="fp16", training=True))
+    prof = estimate_profile(g, load_device("h100"))
+    resident = build_problem(g, prof).resident_bytes
+    cap = resident + int((serial_peak_bytes(g) - resident) * 0.7)
+    plan = solve_plan(g, prof, cap, Options(time_limit_s=0, recompute=False))
+    assert plan.copies
+    return g, prof, cap, plan
+
+
+def _trace(plan, slowdown: float) -> dict:
+    """What `planner run --trace` writes for the plan's copies, each `slowdown` times its planned duration."""
+    return {"traceEvents": [{"name": f"{c.direction} {c.tensor}", "cat": "memcpy", "ph": "X", "ts": c.start_us,
+                             "dur": (c.end_us - c.start_us) * slowdown, "args": {"bytes": c.bytes}}
+                            for c in plan.copies]}
+
+
+def test_traces_fit_the_copy_slowdown_and_solve_then_prices_every_copy_with_it(offloading, tmp_path):
+    g, prof, cap, plan = offloading
+    plan_file, profile_file, trace_file = tmp_path / "plan.json", tmp_path / "profile.json", tmp_path / "trace.json"
+    save_model(plan, plan_file)
+    save_model(prof, profile_file)
+    trace_file.write_text(json.dumps(_trace(plan, 1.25)))
+    measured = simulated_makespan_us(plan, 1.0, {"d2h": 1.25, "h2d": 1.25})
+    assert measured >= simulated_makespan_us(plan, 1.0)
+    save_model(_report(plan, plan_file, measured), tmp_path / "run.json")
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--trace", str(trace_file),
+                                      "--write", str(profile_file)])
+    assert result.exit_code == 0, result.output
+    device = load_model(Profile, profile_file).device
+    assert device.copy_slowdown == pytest.approx({"d2h": 1.25, "h2d": 1.25}, abs=0.002)
+    assert device.dispatch_us["training"] == pytest.approx(1.0, abs=0.02)
+    again = solve_plan(g, load_model(Profile, profile_file), cap, Options(time_limit_s=0, recompute=False))
+    assert again.totals.copy_slowdown == device.copy_slowdown
+    for c in again.copies:
+        assert c.end_us - c.start_us == pytest.approx(device.copy_us(c.direction, c.bytes), abs=0.2)
+    assert check_plan(again).ok
+
+
+def test_a_trace_without_the_plans_copies_is_refused(offloading, tmp_path):
+    _, _, _, plan = offloading
+    save_model(plan, tmp_path / "plan.json")
+    save_model(_report(plan, tmp_path / "plan.json", plan.totals.makespan_us), tmp_path / "run.json")
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": []}))
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--trace", str(tmp_path / "trace.json")])
+    assert result.exit_code != 0 and "no copy of the plan in the trace" in str(result.exception)

@@ -319,6 +319,22 @@ def test_a_convolution_output_is_recomputed_from_its_saved_input_with_a_lean_alg
             assert t.recompute.workspace_bytes <= t.bytes // 4
 
 
+def test_a_downsampling_block_output_is_recomputed_from_both_of_its_branches():
+    """A ResNet-50 downsampling block's output, ReLU(BN(conv3) + BN(downsample conv)), is saved for the next
+    block's backward pass; neither BatchNormalization output is saved, so the recomputation re-runs both of
+    them, the Add and the ReLU (in topological order, the producer last) from the two saved convolution
+    outputs and their statistics."""
+    g = build_training(import_onnx(MODELS / "resnet50.train.onnx", batch=16, dtype="fp16", training=True))
+    p = build_problem(g, estimate_profile(g, H100))
+    blocks = [t for t in p.tensors if t.name.startswith("/layer") and t.name.endswith(".0/relu_2/Relu_output_0")]
+    assert len(blocks) == 4 and all(t.can_recompute for t in blocks)
+    for t in blocks:
+        chain = [p.ops[o] for o in t.recompute_chain]
+        assert [o.kind for o in chain] == ["batchnorm", "batchnorm", "add", "relu"] and t.recompute_chain[-1] == t.producer
+        convs = {p.tensors[r].name for r in t.recompute_reads if p.tensors[r].name.endswith("Conv_output_0")}
+        assert len(convs) == 2 and t.recompute.workspace_bytes >= 3 * t.bytes  # two BN outputs and the sum held
+
+
 @pytest.mark.parametrize("model,batch", [("squeezenet.train.op17.onnx", 8), ("mobilenet_v2.train.op17.onnx", 4)])
 def test_heuristic_fits_half_the_serial_peak_of_a_training_graph(model, batch):
     """At half the serial peak the old greedy serial schedule stalled above the cap (its offload copies could
