@@ -39,7 +39,8 @@ class Calibrated:
     plan: Plan
     measured_us: float
     fitted_us: float = 0.0
-    copy_slowdown: dict[str, float] = field(default_factory=dict)  # the plan's copies re-priced at these
+    copy_slowdown: dict[str, float] = field(default_factory=dict)  # the plan's copies re-priced at these (a
+    # direction left out keeps the slowdown the plan was solved with)
 
     @property
     def predicted_us(self) -> float:
@@ -50,8 +51,8 @@ def simulated_makespan_us(plan: Plan, dispatch_us: float, copy_slowdown: dict[st
     """The plan's iteration replayed with every op's duration re-priced at `dispatch_us` and every copy's at
     `copy_slowdown` (in place of those it was solved with)."""
     shift = dispatch_us - plan.totals.dispatch_us
-    scale = {d: (copy_slowdown or plan.totals.copy_slowdown).get(d, 1.0) / plan.totals.copy_slowdown.get(d, 1.0)
-             for d in DIRECTIONS}
+    priced = plan.totals.copy_slowdown
+    scale = {d: {**priced, **(copy_slowdown or {})}.get(d, 1.0) / priced.get(d, 1.0) for d in DIRECTIONS}
     retimed = plan.model_copy(update={
         "ops": [op.model_copy(update={"end_us": op.end_us + shift}) for op in plan.ops],
         "copies": [c.model_copy(update={"end_us": c.start_us + (c.end_us - c.start_us) * scale[c.direction]})
@@ -140,7 +141,6 @@ def write_calibration(targets: list[Path], fingerprint: str, mode: str, dispatch
         if isinstance(what, ProfileStore):
             what.set_calibration(mode, dispatch_us, copy_slowdown)
         else:
-            what.device.dispatch_us[mode] = dispatch_us
-            what.device.copy_slowdown.update(copy_slowdown)
+            what.device.calibrate(mode, dispatch_us, copy_slowdown)
             save_model(what, path)
     return [path for path, _ in writes]

@@ -369,7 +369,7 @@ def calibrate(
             raise PlannerError(f"{trace}: not a readable trace ({e})") from None
     copy_slowdown = fit_copy_slowdown(copies)
     for r in runs:
-        r.copy_slowdown = {**r.plan.totals.copy_slowdown, **copy_slowdown}
+        r.copy_slowdown = copy_slowdown
     dispatch = fit_dispatch_us(runs)
     slowdown = ", ".join(f"{d} copies x{v:.3f}" for d, v in copy_slowdown.items())
     table = Table(title=f"{mode}: dispatch time per op {dispatch:.2f} us{'; ' + slowdown if slowdown else ''} "

@@ -252,9 +252,7 @@ def _mark_recompute(problem: Problem, graph: Graph, t: TensorUse, fused: dict[tu
     chain: list[int] = []
     queue = [t.producer]
     while queue:
-        op = queue.pop(0)
-        if op in chain:
-            continue
+        op = queue.pop(0)  # queued once: never already in the chain
         node = graph.node_by_name[problem.ops[op].name]
         recomputable = KINDS[node.kind].recomputable and (len(node.outputs) == 1 or node.kind == "batchnorm")
         if not recomputable or problem.ops[op].phase != "forward":

@@ -104,6 +104,12 @@ class DeviceInfo(BaseModel):
     def dispatch_for(self, training: bool) -> float:
         return self.dispatch_us.get("training" if training else "inference", 0.0)
 
+    def calibrate(self, mode: Literal["training", "inference"], dispatch_us: float,
+                  copy_slowdown: dict[str, float]) -> None:
+        """Record what `planner calibrate` fitted: the mode's dispatch time and the directions' copy slowdown."""
+        self.dispatch_us[mode] = dispatch_us
+        self.copy_slowdown.update(copy_slowdown)
+
     def copy_us(self, direction: Literal["d2h", "h2d"], nbytes: int) -> float:
         """A host copy's duration inside an iteration: latency plus bytes at the rate measured alone, slowed
         down as calibrated."""

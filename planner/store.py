@@ -124,11 +124,7 @@ class ProfileStore:
     def set_calibration(self, mode: str, dispatch_us: float, copy_slowdown: dict[str, float]) -> None:
         """Record the device's calibrated per-op dispatch time in one mode and copy slowdown (`planner
         calibrate`)."""
-        def change(stored: StoreFile) -> None:
-            stored.device.dispatch_us[mode] = dispatch_us
-            stored.device.copy_slowdown.update(copy_slowdown)
-
-        self._rewrite(change)
+        self._rewrite(lambda stored: stored.device.calibrate(mode, dispatch_us, copy_slowdown))
 
     def _rewrite(self, change: Callable[[StoreFile], None]) -> None:
         """Re-read the file under the lock, apply `change`, replace it atomically."""
