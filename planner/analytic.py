@@ -18,12 +18,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner.ir import Graph, Node, recompute_nodes
+from planner.ir import Graph, Node
 from planner.occupancy import blocks_per_sm, dram_fraction, sm_fraction
 from planner.ops import KINDS
 from planner.profile import (
     CONV_KINDS, Candidate, DeviceInfo, Kernel, OpProfile, Profile, Unsupported, conv_tensors, describe_op,
 )
+from planner.store import profiled_nodes
 
 LAUNCH_US = 3.0  # launching one kernel and running its smallest version
 EXTRA_KERNEL_US = 1.5  # each further kernel of a multi-kernel algorithm
@@ -281,7 +282,7 @@ def estimate_ops(graph: Graph, device: DeviceInfo, nodes: list[Node] | None = No
     """Estimates for the given nodes (default: one per distinct signature of the graph)."""
     rates = Rates(device, graph.dtype)
     if nodes is None:
-        nodes = list({n.signature: n for n in graph.nodes + list(recompute_nodes(graph).values())}.values())
+        nodes = list({n.signature: n for n in profiled_nodes(graph)}.values())
     return [estimate_op(graph, n, rates) for n in nodes]
 
 

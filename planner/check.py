@@ -97,21 +97,21 @@ def check_plan(plan: Plan) -> CheckReport:
 
 def _check_memory(plan: Plan, at: dict, makespan: float, v: list[str]) -> int:
     """Rebuild each tensor's residencies from the simulated times; check readers find it there; sweep the peak."""
-    writer: dict[str, ScheduledOp] = {}
+    writers: dict[str, list[ScheduledOp]] = {}  # several for a concat_view's output
     readers: dict[str, list[ScheduledOp]] = {}
     for op in plan.ops:
         for t in op.writes:
             if op.recompute_of is None:
-                writer[t] = op
+                writers.setdefault(t, []).append(op)
         for t in op.reads:
             readers.setdefault(t, []).append(op)
     copy = {(c.direction, c.tensor): at[_key(c)] for c in plan.copies}
     events: list[tuple[float, int, str]] = []
     for r in plan.tensors:
-        w = writer.get(r.tensor)
-        born = at[_key(w)][0] if w else 0.0
-        early_end = max([at[_key(w)][1] if w else 0.0,
-                         *(at[_key(op)][1] for op in readers.get(r.tensor, []) if not r.second_serves(op))])
+        spans = [at[_key(w)] for w in writers.get(r.tensor, [])]
+        born = min((a for a, _ in spans), default=0.0)
+        written = max((b for _, b in spans), default=0.0)
+        early_end = max([written, *(at[_key(op)][1] for op in readers.get(r.tensor, []) if not r.second_serves(op))])
         late_ops = [op for op in readers.get(r.tensor, []) if r.second_serves(op)]
         late_end = max((at[_key(op)][1] for op in late_ops), default=early_end)
         if r.is_output:
@@ -123,7 +123,7 @@ def _check_memory(plan: Plan, at: dict, makespan: float, v: list[str]) -> int:
                 v.append(f"offloaded tensor {r.tensor} lacks its copy out or back")
                 continue
             d2h, h2d = copy["d2h", r.tensor], copy["h2d", r.tensor]
-            if w and d2h[0] < at[_key(w)][1] - EPS_US:
+            if spans and d2h[0] < written - EPS_US:
                 v.append(f"tensor {r.tensor} is copied out before it is written")
             if h2d[0] < d2h[1] - EPS_US:
                 v.append(f"tensor {r.tensor} is copied back before its copy out ends")

@@ -32,6 +32,12 @@ class DType(str, Enum):
     fp16 = "fp16"
 
 
+class Concat(str, Enum):
+    auto = "auto"
+    view = "view"
+    copy = "copy"
+
+
 class SchemaName(str, Enum):
     graph = "graph"
     profile = "profile"
@@ -207,6 +213,8 @@ def solve(
     sweep: bool = typer.Option(False, "--sweep", help="solve at 100/70/50/30% of the serial peak"),
     baseline: bool = typer.Option(False, "--baseline", help="write the framework-style plan instead (serial, "
                                                             "fastest algorithm per op, nothing offloaded)"),
+    concat: Concat = typer.Option(Concat.auto, "--concat", help="concats whose producers could write into their "
+                                  "channel slices: auto (solve both ways, keep the faster), view, copy"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="plan file (default plans/MODEL.bN.DTYPE.json)"),
     png: Optional[Path] = typer.Option(None, "--png", help="with several caps: the trade-off chart"),
 ):
@@ -223,7 +231,7 @@ def solve(
     else:
         caps = parse_sizes(mem, device_bytes) if mem else [device_bytes]
     options = Options(streams=streams, time_limit_s=time_limit, workers=workers, seed=seed, baseline=baseline,
-                      dram=dram)
+                      dram=dram, concat=concat.value)
     mode = "train" if graph.training else "infer"
     stem = f"{graph.model_name}.{mode}.b{graph.batch}.{graph.dtype}" + (".baseline" if baseline else "")
     rows = []
@@ -278,6 +286,7 @@ def _print_plan_summary(plan) -> None:
         ("predicted peak memory / cap", f"{fmt_bytes(t.peak_bytes)} / {fmt_bytes(t.mem_cap_bytes)}"),
         ("offloaded / recomputed", f"{fmt_bytes(t.offloaded_bytes)} / {fmt_bytes(t.recomputed_bytes)}"),
         ("compute streams / events", f"{t.streams_used} / {t.events_used}"),
+        ("concats written in place", f"{len(plan.concat_views)}"),
         ("lower bound, gap", f"{t.lower_bound_us:.1f} us ("
                              + ", ".join(f"{k} {v:.1f}" for k, v in t.bounds_us.items()) + f"), gap {t.gap:.1%}"),
         ("solver", f"{t.status} in {t.solve_time_s:.1f} s"),

@@ -152,7 +152,7 @@ def add_keep_offload_recompute(m: cp_model.CpModel, p: Problem, v: Vars) -> None
 def add_lifetimes(m: cp_model.CpModel, p: Problem, v: Vars, horizon: int) -> None:
     """Each tensor's residencies as intervals (see schedule.residency):
 
-    first:  [start[producer], e1) with e1 >= end of the producer and of every forward reader (every reader when
+    first:  [min start[writer], e1) with e1 >= end of every writer and of every forward reader (every reader when
             kept), e1 >= end(d2h) if offloaded, e1 >= end(rec) of a recomputation reading it while it is kept,
             e1 = makespan for a graph output
     second: [s2, e2), present unless kept, s2 = start(h2d) or start(rec), s2 >= e1, e2 >= end of every
@@ -164,9 +164,12 @@ def add_lifetimes(m: cp_model.CpModel, p: Problem, v: Vars, horizon: int) -> Non
             readers_by_rec.setdefault(u, []).append(t)
     for t, tu in enumerate(p.tensors):
         born = v.start[tu.producer] if tu.producer is not None else 0
+        if len(tu.writers) > 1:  # several ops write into it (concat_view): it exists from the first one's start
+            born = m.new_int_var(0, horizon, f"born_{t}")
+            m.add_min_equality(born, [v.start[w] for w in tu.writers])
         e1 = m.new_int_var(0, horizon, f"e1_{t}")
         v.first_end[t] = e1
-        for c in ([tu.producer] if tu.producer is not None else []) + tu.early:
+        for c in tu.writers + tu.early:
             m.add(e1 >= v.end[c])
         for c in tu.late:
             m.add(e1 >= v.end[c]).only_enforce_if(v.keep[t])

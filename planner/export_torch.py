@@ -10,6 +10,7 @@ import pprint
 from pathlib import Path
 
 from planner.files import PlannerError
+from planner.fuse import with_concat_views
 from planner.ir import Graph
 from planner.ops import KINDS
 from planner.plan import Plan
@@ -43,12 +44,21 @@ def forward_graph_dict(graph: Graph) -> dict:
     return {
         "model_name": graph.model_name, "dtype": graph.dtype, "batch": graph.batch,
         "inputs": [graph.inputs[0]], "outputs": [logits],
-        "nodes": {n.name: [n.kind, n.inputs, n.outputs, n.attrs] for n in forward},
+        "nodes": {n.name: _torch_node(n) for n in forward},
         "persistent": persistent,
     }
 
 
+def _torch_node(n) -> list:
+    """[kind, inputs, outputs, attrs] as the template runs it: PyTorch cannot write a conv's output into a
+    channel slice, so a concat_view is a copying concat there."""
+    if n.kind == "concat_view":
+        return ["concat", n.inputs, n.outputs, {"axis": 1}]
+    return [n.kind, n.inputs, n.outputs, {k: v for k, v in n.attrs.items() if k != "concat_channels"}]
+
+
 def plan_dict(graph: Graph, plan: Plan | None) -> dict:
+    """The plan's forward streams, events and offloads; `graph` as the plan runs it (fuse.with_concat_views)."""
     forward = {n.name for n in graph.nodes if n.phase == "forward"}
     if plan is None:
         return {"order": [n.name for n in graph.nodes if n.phase == "forward"], "streams": {}, "records": {},
@@ -74,22 +84,37 @@ def plan_dict(graph: Graph, plan: Plan | None) -> dict:
 
 
 def _insert_views(graph: Graph, out: dict) -> None:
-    """Views (Flatten, Reshape) are no ops in a plan: each runs right after what makes its input, on its stream."""
+    """Views (Flatten, Reshape, concat_view) are no ops in a plan: each runs right after the last op that makes
+    one of its inputs, on that op's stream. A concat_view copies in PyTorch, so it also waits for its other
+    inputs' producers and its readers on other streams wait for it."""
     order = out["order"]
     for n in graph.nodes:
         if n.phase != "forward" or not KINDS[n.kind].view:
             continue
-        producer = graph.tensors[n.inputs[0]].producer
-        at = order.index(producer) + 1 if producer in order else 0
+        inputs = n.inputs if n.kind == "concat_view" else n.inputs[:1]
+        producers = [p for x in inputs if (p := graph.tensors[x].producer) in order]
+        at = max((order.index(p) for p in producers), default=-1) + 1
         order.insert(at, n.name)
-        if producer in out["streams"]:
-            out["streams"][n.name] = out["streams"][producer]
+        if not producers:
+            continue
+        stream = out["streams"].get(order[at - 1], 0)
+        out["streams"][n.name] = stream
+        if n.kind != "concat_view":
+            continue
+        for p in producers:
+            if out["streams"].get(p, 0) != stream:
+                out["waits"].setdefault(n.name, []).append(out["records"].setdefault(p, f"view:{p}"))
+        out["records"][n.name] = f"view:{n.name}"
+        for c in graph.tensors[n.outputs[0]].consumers:
+            if c in out["streams"] and out["streams"][c] != stream:
+                out["waits"].setdefault(c, []).append(f"view:{n.name}")
 
 
 def torch_module_source(graph: Graph, plan: Plan | None = None) -> str:
     """Python source of the standalone module."""
     if plan is not None and plan.graph_sha256 != graph.graph_sha256:
         raise PlannerError("the plan was made for another model graph")
+    graph = with_concat_views(graph, plan.concat_views) if plan is not None else graph
     source = TEMPLATE.read_text()
     title = (f"{graph.model_name}: batch {graph.batch}, {graph.dtype}, "
              f"{'training' if graph.training else 'inference'}"

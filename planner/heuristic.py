@@ -103,6 +103,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
     first_left, second_left = _residency_counts(p, decision, rec)
     used = p.resident_bytes + sum(tu.bytes for tu in tensors if tu.producer is None)
     over, stuck_at = 0, -1
+    allocated: set[int] = set()  # tensors some writer has allocated (a concat_view's output has several)
     s = Schedule(alt=[0] * n, start=[0] * n, decision=dict(decision), status="list")
     start, choice = [0] * len(jobs), [0] * len(jobs)
     d2h_queue = [t for t in off if tensors[t].producer is None]
@@ -133,7 +134,9 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
         running.append((now + alt.duration, j))
         sm_used += alt.sm_demand
         dram_used += alt.dram_demand
-        used += _allocation(p, j, alt, rec)
+        used += _allocation(p, j, alt, rec, allocated)
+        if j < n:
+            allocated.update(p.ops[j].writes)
         ready.remove(j)
         for g in gated_by.get(j, []):
             gate[g] -= 1
@@ -196,14 +199,15 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             fitting = [a for a, alt in enumerate(jobs[j])
                        if sm_used + alt.sm_demand <= SM_CAPACITY and alt.duration <= slack * quickest
                        and dram_used + alt.dram_demand <= DRAM_CAPACITY
-                       and used + _allocation(p, j, alt, rec) <= cap_bytes]
+                       and used + _allocation(p, j, alt, rec, allocated) <= cap_bytes]
             if fitting:
                 launch(j, min(fitting, key=lambda a: (jobs[j][a].duration, jobs[j][a].workspace_bytes)))
         if not running and d2h_busy is None and h2d_busy is None and finished < len(jobs):
             if not prefetch(False, True):
                 if ready:  # nothing will free memory: the most urgent op goes ahead, over the cap
                     j = ready[0]
-                    a = min(range(len(jobs[j])), key=lambda a: (_allocation(p, j, jobs[j][a], rec), jobs[j][a].duration))
+                    a = min(range(len(jobs[j])), key=lambda a: (_allocation(p, j, jobs[j][a], rec, allocated),
+                                                                jobs[j][a].duration))
                     launch(j, a)
                 else:
                     prefetch(False, False)
@@ -228,10 +232,11 @@ def _net(p, j, alt, rec, decision, first_left, second_left) -> int:
     return net
 
 
-def _allocation(p: Problem, job: int, alt: Alternative, rec: list[int]) -> int:
-    """Bytes a job allocates when it starts: its workspace and what it writes (an op) or recomputes."""
+def _allocation(p: Problem, job: int, alt: Alternative, rec: list[int], allocated: set[int] = frozenset()) -> int:
+    """Bytes a job allocates when it starts: its workspace and what it writes (an op; but not a tensor another
+    writer already allocated) or recomputes."""
     if job < len(p.ops):
-        return alt.workspace_bytes + sum(p.tensors[t].bytes for t in p.ops[job].writes)
+        return alt.workspace_bytes + sum(p.tensors[t].bytes for t in p.ops[job].writes if t not in allocated)
     return alt.workspace_bytes + p.tensors[rec[job - len(p.ops)]].bytes
 
 
@@ -240,7 +245,7 @@ def _residency_counts(p: Problem, decision: dict[int, Decision], rec: list[int])
     first, second = [0] * len(p.tensors), [0] * len(p.tensors)
     for t, tu in enumerate(p.tensors):
         how = decision.get(t, "keep")
-        first[t] = (tu.producer is not None) + len(tu.early) + (len(tu.late) if how == "keep" else 0)
+        first[t] = len(tu.writers) + len(tu.early) + (len(tu.late) if how == "keep" else 0)
         first[t] += how == "offload"
         second[t] = len(tu.late) if how != "keep" else 0
     for t in rec:

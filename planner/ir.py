@@ -43,6 +43,9 @@ class Tensor(BaseModel):
     producer: str | None = None
     consumers: list[str] = Field(default_factory=list)
     alias_of: str | None = Field(None, description="shares storage with this tensor (a view, or an in-place update)")
+    channel_offset: int | None = Field(
+        None, description="a channel slice of alias_of starting at this channel: its producer writes straight "
+        "into a Concat's output (concat_view)")
     saved_for_backward: list[str] = Field(
         default_factory=list, description="backward ops that read this forward tensor"
     )
@@ -88,8 +91,13 @@ class Graph(BaseModel):
 
     @cached_property
     def graph_sha256(self) -> str:
-        """Identity of the graph's content; plans and profiles made for it carry it."""
-        return sha256_json(self.model_dump(mode="json", exclude={"format_version"}))
+        """Identity of the graph's content; plans and profiles made for it carry it. A tensor that is no channel
+        slice hashes as before channel slices existed, so older plans and profiles still match."""
+        content = self.model_dump(mode="json", exclude={"format_version"})
+        for t in content["tensors"].values():
+            if t["channel_offset"] is None:
+                del t["channel_offset"]
+        return sha256_json(content)
 
     @cached_property
     def node_by_name(self) -> dict[str, Node]:

@@ -69,7 +69,8 @@ def _k(name, doc, phase="forward", **kw):
 _k("conv", "[x, w, b?] -> [y]: 2-D cross-correlation (ONNX Conv); attrs strides, pads [t,l,b,r], dilations, groups",
    recomputable=True, flops=_conv_flops)
 _k("conv_fused", "[x, w, b?, z?] -> [y]: relu?(conv(x, w) + b + z): an inference Conv with the residual Add "
-   "(attr residual: z is the last input) and the ReLU (attr relu) that follow it, one op; other attrs as conv",
+   "(attr residual: z is the last input) and the ReLU (attr relu) that follow it, one op; attr concat_channels "
+   "(optional): y is a channel slice of a concat_view's output with that many channels; other attrs as conv",
    flops=lambda i, o, a: _conv_flops(i, o, a) + (a["residual"] + a["relu"]) * _numel(o[0]))
 _k("batchnorm", "[x, scale, bias, running_mean, running_var] -> [y] (training=False) or [y, running_mean', running_var', "
    "saved_mean, saved_invstd] (training=True: batch statistics, population variance, ONNX momentum rule, "
@@ -90,6 +91,9 @@ _k("avgpool", "[x] -> [y]: average pooling; attrs kernel, strides, pads, ceil_mo
    flops=_pool_flops)
 _k("globalavgpool", "[x] -> [y]: mean over H and W, keeping dims", recomputable=True, flops=lambda i, o, a: _numel(i[0]))
 _k("concat", "[x1, ..., xn] -> [y]: concatenation along attr axis", recomputable=True)
+_k("concat_view", "[x1, ..., xn] -> [y]: a channel Concat (NCHW axis 1) whose producers wrote each x_i in place as "
+   "channels of y (x_i alias_of y, with channel_offset): no kernel; made by fuse.concat_in_place, never imported",
+   view=True, flops=lambda i, o, a: 0)
 _k("gemm", "[A, B, C?] -> [Y]: alpha * A' B' + beta * C (C broadcast); attrs transA, transB, alpha, beta", flops=_gemm_flops)
 _k("matmul", "[A, B] -> [Y]: numpy matmul", flops=_gemm_flops)
 _k("reshape", "[x] -> [y]: the same data seen with attr shape (Flatten, Reshape)", view=True, flops=lambda i, o, a: 0)

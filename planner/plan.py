@@ -94,6 +94,8 @@ class Plan(BaseModel):
     device_fingerprint: str
     estimated: bool = Field(description="made from an analytic (estimated) profile")
     compute_streams: int
+    concat_views: list[str] = Field(default_factory=list, description="concats run as concat_view: their "
+                                    "producers write into the output's channel slices (fuse.with_concat_views)")
     ops: list[ScheduledOp]
     copies: list[Copy] = Field(default_factory=list)
     tensors: list[Residency] = Field(default_factory=list)

@@ -48,14 +48,15 @@ class Op:
 
 @dataclass
 class TensorUse:
-    """One non-persistent storage: live from its producer's start (0 for graph inputs) to its last use."""
+    """One non-persistent storage: live from its first writer's start (0 for graph inputs) to its last use."""
 
     name: str
     bytes: int
-    producer: int | None
+    producer: int | None  # the last writer (None for a graph input)
     early: list[int]  # consumers served by the first residency (all of them when the tensor is always kept)
     late: list[int]  # backward consumers, which an offloaded or recomputed tensor serves from its second residency
     is_output: bool
+    writers: list[int] = field(default_factory=list)  # ops that write it: the producer, or a concat_view's several
     can_offload: bool = False
     can_recompute: bool = False
     d2h_ticks: int = 0
@@ -65,6 +66,10 @@ class TensorUse:
     recompute: Alternative | None = None  # the recomputation's cost: its chain at each op's fastest algorithm
     recompute_chain: list[int] = field(default_factory=list)  # ops re-run, in order; the last is the producer
     recompute_reads: list[int] = field(default_factory=list)  # tensors the chain reads, live until it ends
+
+    def __post_init__(self):
+        if not self.writers and self.producer is not None:
+            self.writers = [self.producer]
 
     @property
     def choosable(self) -> bool:
@@ -161,12 +166,12 @@ def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, off
     index = {o.name: i for i, o in enumerate(ops)}
     tensors = _tensor_uses(graph, index)
     for t_i, t in enumerate(tensors):
-        if t.producer is not None:
-            ops[t.producer].writes.append(t_i)
+        for w in t.writers:
+            ops[w].writes.append(t_i)
         for c in t.early + t.late:
             ops[c].reads.append(t_i)
     for n in nodes:
-        preds = {index[p] for name in n.inputs if (p := _data_producer(graph, name)) in index}
+        preds = {index[p] for name in n.inputs for p in _data_producers(graph, name) if p in index}
         for out in n.outputs:  # an in-place update comes after every other reader of what it overwrites
             if graph.tensors[out].alias_of is not None and graph.tensors[out].persistent:
                 preds |= {index[r] for r in graph.tensors[graph.tensors[out].alias_of].consumers if r in index}
@@ -183,11 +188,17 @@ def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, off
     return problem
 
 
-def _data_producer(graph: Graph, name: str) -> str | None:
-    """The op that computed a tensor's data, looking through views (which are not ops)."""
-    while (p := graph.tensors[name].producer) is not None and KINDS[graph.node_by_name[p].kind].view:
-        name = graph.node_by_name[p].inputs[0]
-    return p
+def _data_producers(graph: Graph, name: str) -> set[str]:
+    """The ops that computed a tensor's data, looking through views (which are not ops; a concat_view's data
+    comes from every input's producer)."""
+    p = graph.tensors[name].producer
+    if p is None:
+        return set()
+    node = graph.node_by_name[p]
+    if not KINDS[node.kind].view:
+        return {p}
+    inputs = node.inputs if node.kind == "concat_view" else node.inputs[:1]
+    return set().union(*(_data_producers(graph, x) for x in inputs))
 
 
 def _tensor_uses(graph: Graph, index: dict[str, int]) -> list[TensorUse]:
@@ -198,8 +209,9 @@ def _tensor_uses(graph: Graph, index: dict[str, int]) -> list[TensorUse]:
             continue
         root = graph.storage_of(name)
         if root not in uses:
-            uses[root] = TensorUse(root, graph.tensors[root].bytes, index.get(_data_producer(graph, root)), [], [],
-                                   False)
+            writers = sorted(index[w] for w in _data_producers(graph, root) if w in index)
+            uses[root] = TensorUse(root, graph.tensors[root].bytes, writers[-1] if writers else None, [], [], False,
+                                   writers=writers)
         u = uses[root]
         u.early = sorted(set(u.early) | {index[c] for c in t.consumers if c in index})
         u.is_output |= name in graph.outputs
@@ -219,7 +231,7 @@ def _mark_choices(problem: Problem, graph: Graph, offload: bool, recompute: bool
     for t in problem.tensors:
         late = [c for c in t.early if problem.ops[c].phase in ("backward", "update")]
         made_in_backward = t.producer is not None and problem.ops[t.producer].phase in ("backward", "update")
-        if not late or made_in_backward or t.bytes < MIN_OFFLOAD_BYTES or t.is_output:
+        if not late or made_in_backward or t.bytes < MIN_OFFLOAD_BYTES or t.is_output or len(t.writers) > 1:
             continue  # a gradient is read in the phase it is made in: nothing idle to offload or recompute
         t.early = [c for c in t.early if c not in late]
         t.late = late

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from planner.files import PlannerError
 from planner.ir import Graph
 from planner.profile import Candidate, Profile
-from planner.store import ProfileStore, profile_graph
+from planner.store import ProfileStore, profile_graph, profiled_nodes
 
 
 def _runner():
@@ -68,7 +68,7 @@ def add_counters(graph: Graph, store: ProfileStore, profile: Profile, profiler, 
         console.print("counters: every chosen candidate already has Nsight Compute readings")
         return profile
     first = {}
-    for n in graph.nodes:
+    for n in profiled_nodes(graph):
         first.setdefault(n.signature, n)
     with console.status(f"Nsight Compute: reading counters of {len(targets)} candidates"):
         try:

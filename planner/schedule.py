@@ -59,7 +59,7 @@ def timed(p: Problem, s: Schedule) -> Timed:
 def residency(p: Problem, decision: dict[int, Decision], tm: Timed) -> list[list[tuple[float, float]]]:
     """When each tensor occupies device memory: [start, end) intervals, at most two (before and after a gap).
 
-    A kept tensor lives from its producer's start (0 for a graph input) to its last reader's end (the end of
+    A kept tensor lives from its first writer's start (0 for a graph input) to its last reader's end (the end of
     the iteration for a graph output); an offloaded one until its copy out and its forward readers are done,
     then again from its copy back; a recomputed one again from its recomputation. A recomputation reads its
     chain's inputs, which live until it ends: in their first residency if kept, else in their second (which
@@ -71,8 +71,8 @@ def residency(p: Problem, decision: dict[int, Decision], tm: Timed) -> list[list
             extra_reads.setdefault((u, decision.get(u, "keep") != "keep"), []).append(rec_end)
     out = []
     for i, t in enumerate(p.tensors):
-        born = tm.op_start[t.producer] if t.producer is not None else 0.0
-        first_end = max([tm.op_end[t.producer]] if t.producer is not None else [born])
+        born = min((tm.op_start[w] for w in t.writers), default=0.0)
+        first_end = max([tm.op_end[w] for w in t.writers] or [born])
         first_end = max([first_end, *(tm.op_end[c] for c in t.early), *extra_reads.get((i, False), [])])
         if t.is_output:
             first_end = tm.makespan

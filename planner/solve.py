@@ -6,10 +6,11 @@ serial schedule under the cap (hint and fallback); CP-SAT; the better schedule b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Callable, Literal
 
 from planner.files import PlannerError
+from planner.fuse import concat_view_candidates, concat_view_nodes, with_concat_views
 from planner.memsize import fmt_bytes
 from planner.heuristic import baseline, fit_cap, list_schedule
 from planner.ir import Graph
@@ -53,6 +54,7 @@ class Options:
     max_alternatives: int = 8
     dram: bool = False  # DRAM bandwidth as a second cumulative beside the SM share
     baseline: bool = False  # emit the framework-style plan instead: serial, fastest algorithm, everything kept
+    concat: Literal["auto", "view", "copy"] = "auto"  # concats written in place by their producers (see solve_plan)
 
 
 def lower_bounds_us(p: Problem, streams: int) -> dict[str, float]:
@@ -82,6 +84,38 @@ def memory_lower_bound(p: Problem) -> tuple[int, str]:
 
 def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options = Options(),
                on_progress: Callable[[float, float, float], None] | None = None) -> Plan:
+    """The plan of one graph under one cap. Where concats can be views (fuse.concat_view_candidates) and the
+    profile measured their producers writing strided, `concat` "auto" solves with every such concat a view and
+    with none, half the time limit each, and keeps the faster plan: a strided conv is slower (on H100 most cuDNN
+    engines wrap it in slice copies) but runs beside its sibling branches, while the copy it saves sits on the
+    critical path. "view" forces them, "copy" (and the framework-style baseline) never makes views."""
+    views = [] if options.concat == "copy" or options.baseline else concat_view_candidates(graph)
+    if options.concat == "auto" and not all(n.signature in profile.ops for n in concat_view_nodes(graph)):
+        views = []
+    if not views:
+        return _solve_graph(graph, profile, cap_bytes, options, on_progress)
+    if profile.graph_sha256 not in (None, graph.graph_sha256):
+        raise PlannerError("the profile was assembled for another graph (model, batch, dtype or mode differ)")
+    half = replace(options, time_limit_s=options.time_limit_s / 2) if options.concat == "auto" else options
+    try:
+        viewed = _solve_graph(with_concat_views(graph, views), profile.model_copy(update={"graph_sha256": None}),
+                              cap_bytes, half, on_progress)
+        viewed.graph_sha256, viewed.concat_views = graph.graph_sha256, views
+    except CapTooSmall:
+        if options.concat == "view":
+            raise
+        viewed = None
+    if options.concat == "view":
+        return viewed
+    copied = _solve_graph(graph, profile, cap_bytes, half, on_progress)
+    best = viewed if viewed is not None and viewed.totals.makespan_us < copied.totals.makespan_us else copied
+    best.totals.status += (f"; {len(views)} concats as views: {viewed.totals.makespan_us:.1f} us, copied: "
+                           f"{copied.totals.makespan_us:.1f} us" if viewed else "; concats copied (as views no plan fits)")
+    return best
+
+
+def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Options,
+                 on_progress: Callable[[float, float, float], None] | None) -> Plan:
     p = build_problem(graph, profile, options.max_alternatives, options.offload, options.recompute, options.dram)
     base = baseline(p)
     base_tm = timed(p, base)

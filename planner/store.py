@@ -21,6 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from planner.files import FORMAT_VERSION, PlannerError, atomic_write_text
+from planner.fuse import concat_view_nodes
 from planner.ir import Graph, Node, recompute_nodes
 from planner.ops import KINDS
 from planner.profile import Candidate, DeviceInfo, OpProfile, Profile, describe_op
@@ -164,7 +165,7 @@ class ProfileStore:
                 ops[n.signature] = stored.ops[n.signature]
             else:
                 absent.append(n.name)
-        for n in recompute_nodes(graph).values():  # optional: without them a recomputation is priced as its chain
+        for n in optional_nodes(graph):  # without them a recomputation is priced as its chain, no concat is a view
             if n.signature in stored.ops:
                 ops[n.signature] = stored.ops[n.signature]
         if absent:
@@ -174,9 +175,15 @@ class ProfileStore:
                        graph_sha256=graph.graph_sha256, ops=ops)
 
 
+def optional_nodes(graph: Graph) -> list[Node]:
+    """Nodes the graph does not run as they stand but a plan may: its fused recomputations (ir.recompute_nodes)
+    and its convs writing into a concat's channel slices (fuse.concat_view_nodes)."""
+    return list(recompute_nodes(graph).values()) + concat_view_nodes(graph)
+
+
 def profiled_nodes(graph: Graph) -> list[Node]:
-    """What a profile measures: the graph's nodes and its fused recomputations (ir.recompute_nodes)."""
-    return graph.nodes + list(recompute_nodes(graph).values())
+    """What a profile measures: the graph's nodes and its optional ones."""
+    return graph.nodes + optional_nodes(graph)
 
 
 def profile_graph(graph: Graph, store: ProfileStore, measure: Callable[[list[Node]], Iterable[OpProfile]],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -52,6 +53,13 @@ def _number(text: str) -> float:
     return float(text) if text and text != "n/a" else 0.0
 
 
+def _kernel_identity(name: str) -> str:
+    """A kernel's name without the operation word of cuDNN's generated kernels: the same engine and knobs
+    run as `..._sm80_convFwd_knob_21_...` in one process and `..._sm80_matMul_knob_21_...` in another (a 1x1
+    convolution writing a channel slice, seen on H100)."""
+    return re.sub(r"(_sm\d+)_[A-Za-z]+(_knob_)", r"\1\2", name)
+
+
 def assign(rows: list[dict[str, str]], kernel_names: list[list[str]]) -> list[Counters]:
     """Each candidate's counters from its run of rows, weighted by kernel duration; kernel_names: per
     candidate, the kernels CUPTI recorded when it was timed."""
@@ -62,7 +70,7 @@ def assign(rows: list[dict[str, str]], kernel_names: list[list[str]]) -> list[Co
     for names in kernel_names:
         mine, at = rows[at:at + len(names)], at + len(names)
         for row, name in zip(mine, names):
-            if row["Kernel Name"] != name:
+            if _kernel_identity(row["Kernel Name"]) != _kernel_identity(name):
                 raise RuntimeError(f"ncu kernel {row['Kernel Name'][:80]!r} where {name[:80]!r} was launched")
         weights = [_number(r[DURATION]) or 1.0 for r in mine]
         readings.append(Counters(**{key: sum(w * _number(r[metric]) for w, r in zip(weights, mine)) / sum(weights)
@@ -75,7 +83,8 @@ def read_counters(graph: Graph, targets: list[tuple[Node, Candidate]]) -> list[C
     with tempfile.TemporaryDirectory() as tmp:
         tmp_dir = Path(tmp)
         save_model(graph, tmp_dir / "graph.json")
-        job = {"graph": str(tmp_dir / "graph.json"), "items": [[n.name, c.name] for n, c in targets]}
+        job = {"graph": str(tmp_dir / "graph.json"),  # nodes whole: some are not the graph's own (store.optional_nodes)
+               "items": [[n.model_dump(mode="json"), c.name] for n, c in targets]}
         (tmp_dir / "job.json").write_text(json.dumps(job))
         log = tmp_dir / "ncu.log"
         done = subprocess.run(ncu_command(tmp_dir / "job.json", log), capture_output=True, text=True)
@@ -102,8 +111,8 @@ def _launch_items(job_path: str) -> None:
     cudnn.set_stream(handle=handle, stream=stream.ptr)
     rng = np.random.default_rng(0)
     with stream:
-        for node_name, name in job["items"]:
-            node = graph.node_by_name[node_name]
+        for node_fields, name in job["items"]:
+            node = Node.model_validate(node_fields)
             op = build_op(graph, node, handle, algorithm=name)
             index = [n for n, _ in op.candidates].index(name)
             data = NodeData(graph, node, rng)

@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from planner.files import PlannerError
+from planner.fuse import with_concat_views
 from planner.ir import Graph, recompute_nodes
 from planner.memsize import fmt_bytes
 from planner.plan import FUSED_RECOMPUTE, Copy, Plan, ScheduledOp
@@ -61,6 +62,7 @@ class Execution:
         cp, cudnn = gpu().cp, gpu().cudnn
         if plan.graph_sha256 != graph.graph_sha256:
             raise PlannerError("the plan was made for another model graph (batch, dtype or file differ)")
+        graph = with_concat_views(graph, plan.concat_views)
         self.graph, self.nodes = graph, graph.node_by_name
         blocks, uses, self.block_of = plan_blocks(plan)
         self.offsets, self.arena_bytes = assign_offsets(blocks)
@@ -137,7 +139,7 @@ class Execution:
         t = self.graph.tensors[tensor]
         storage = self.graph.storage_of(tensor)
         base = self.graph.tensors[storage]
-        if not _same_memory_order(base.shape, t.shape):
+        if t.channel_offset is None and not _same_memory_order(base.shape, t.shape):
             raise PlannerError(f"{tensor!r} is a view {t.shape} of {storage!r} {base.shape} whose NHWC memory "
                                "order differs; the runner does not transpose views yet")
         if storage in self.persistent:
@@ -145,6 +147,9 @@ class Execution:
         block = self.block_of.get((key, storage)) or f"{storage}#0"
         if block not in self.offsets:
             raise PlannerError(f"tensor {storage!r} has no residency in the plan")
+        if t.channel_offset is not None:  # its producer writes straight into a concat_view's output
+            whole = strided_view(self.arena + self.offsets[block], base.shape, base.dtype)
+            return whole[:, t.channel_offset:t.channel_offset + t.shape[1]]
         return strided_view(self.arena + self.offsets[block], t.shape, t.dtype)
 
     def workspace(self, i: int):

@@ -23,7 +23,7 @@ from planner.profile import Candidate, DeviceInfo, OpProfile, Unsupported, descr
 from planner.reference import KERNELS as REFERENCE
 from runner.cupti_trace import record_kernels
 from runner.gpu import gpu
-from runner.ops import build_op, host_inputs, in_place, specs_of
+from runner.ops import build_op, host_inputs, in_place, node_specs
 from runner.ops.common import device_empty, to_device
 
 LAUNCHES_PER_GRAPH = 10
@@ -101,7 +101,7 @@ class NodeData:
     launch writes (the set's own inputs where the node updates in place, shared buffers otherwise)."""
 
     def __init__(self, graph: Graph, node: Node, rng):
-        self.in_specs, self.out_specs = specs_of(graph, node.inputs), specs_of(graph, node.outputs)
+        self.in_specs, self.out_specs = node_specs(graph, node)
         self.hosts = [host_inputs(node.kind, self.in_specs, rng) for _ in range(INPUT_SETS)]
         self.inputs = [[to_device(h, s) for h, s in zip(hosts, self.in_specs)] for hosts in self.hosts]
         aliases = in_place(graph, node)

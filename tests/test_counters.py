@@ -70,3 +70,12 @@ def test_show_prints_the_counters_table():
     out = io.StringIO()
     print_summary(profile, Console(file=out, width=200))
     assert "Nsight Compute counters" in out.getvalue() and "2.50" in out.getvalue()
+
+
+def test_cudnn_kernels_match_across_their_operation_word():
+    """One cuDNN engine launched a convFwd kernel under CUPTI and the same kernel named matMul under ncu."""
+    ncu = "cudnn_generated_fort_native_sm80_matMul_knob_21_128x128x32_4_0"
+    rows = parse_rows(_csv([_row(0, ncu, [1, 2, 3, 4, 5], 10)]))
+    assert assign(rows, [[ncu.replace("matMul", "convFwd")]])[0].dram_throughput == 5
+    with pytest.raises(RuntimeError, match="was launched"):
+        assign(rows, [[ncu.replace("knob_21", "knob_22")]])

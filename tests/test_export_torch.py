@@ -71,19 +71,28 @@ def test_a_plans_order_holds_every_forward_node_views_after_their_producer(tmp_p
     from planner.analytic import estimate_profile
     from planner.devices import load_device
     from planner.export_torch import plan_dict
+    from planner.fuse import with_concat_views
     from planner.solve import Options, solve_plan
 
     g = import_onnx(MODELS / "googlenet.onnx", batch=2, input_hw=(64, 64))
     h100 = load_device("h100")
     plan = solve_plan(g, estimate_profile(g, h100), h100.memory_bytes, Options(time_limit_s=2, workers=2))
-    order = plan_dict(g, plan)["order"]
-    assert sorted(order) == sorted(n.name for n in g.nodes)
-    for n in g.nodes:
-        producer = g.tensors[n.inputs[0]].producer
+    assert plan.concat_views  # the analytic profile prices a strided conv like a packed one: no copy wins
+    runs = with_concat_views(g, plan.concat_views)
+    exported = plan_dict(runs, plan)
+    order = exported["order"]
+    assert sorted(order) == sorted(n.name for n in runs.nodes)
+    for n in runs.nodes:
+        producer = runs.tensors[n.inputs[0]].producer
         if n.kind == "reshape":
             assert order.index(n.name) == order.index(producer) + 1
-        assert all(order.index(g.tensors[t].producer) < order.index(n.name) for t in n.inputs
-                   if g.tensors[t].producer)
+        assert all(order.index(runs.tensors[t].producer) < order.index(n.name) for t in n.inputs
+                   if runs.tensors[t].producer)
+        if n.kind == "concat_view":  # a copying torch.cat there: its readers on other streams wait for it
+            stream = exported["streams"][n.name]
+            for reader in runs.tensors[n.outputs[0]].consumers:
+                if exported["streams"][reader] != stream:
+                    assert f"view:{n.name}" in exported["waits"][reader]
     torch = pytest.importorskip("torch")
     reference = pytest.importorskip("planner.reference")
     values = {**reference.random_parameters(g, seed=0), **reference.random_inputs(g, seed=1)}

@@ -241,6 +241,47 @@ def test_fused_conv_offers_fused_and_unfused_engines(gpu_ctx, dtype):
     assert prefixes == {"fused", "unfused"}, op.unsupported
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_fused_conv_writes_its_channel_slice_of_a_concat(gpu_ctx, dtype):
+    """conv_fused with concat_channels (concat_view): every candidate, fused and unfused, writes exactly its
+    channels [16, 80) of a 96-channel NHWC buffer, eagerly and from a captured graph, and nothing else."""
+    from runner.ops import OPS, host_inputs
+    from runner.ops.common import NUMPY_DTYPE, spec, to_device
+
+    cp, handle, stream = gpu_ctx
+    kind, attrs, shapes = next(c for c in CASES if c[0] == "conv_fused" and c[2][0][1] == 32)
+    attrs = {**attrs, "residual": False, "concat_channels": 96}
+    shapes = shapes[:3]
+    in_specs = [spec(s, dtype) for s in shapes]
+    hosts = host_inputs(kind, in_specs, np.random.default_rng(0))
+    want = REFERENCE[kind]([h.astype(np.float64) for h in hosts], attrs)[0]
+    n, c, h, w = want.shape
+    op = OPS[kind](attrs, in_specs, [spec(want.shape, dtype, 96)], handle)
+    assert {name.split(":")[0] for name, _ in op.candidates} == {"fused", "unfused"}, op.unsupported
+    inputs = [to_device(x, s) for x, s in zip(hosts, in_specs)]
+    whole = cp.empty((n, h, w, 96), NUMPY_DTYPE[dtype])
+    y = whole[..., 16:16 + c].transpose(0, 3, 1, 2)
+    for index, (name, workspace_bytes) in enumerate(op.candidates):
+        workspace = cp.full(max(workspace_bytes, 1), 0xFF, cp.uint8)
+        with stream:
+            whole.fill(7)
+            op.launch(index, inputs, [y], workspace)
+            stream.synchronize()
+            _check([y], [want], [spec(want.shape, dtype)], dtype, (name, "eager"))
+            stream.begin_capture()
+            try:
+                op.launch(index, inputs, [y], workspace)
+            finally:
+                graph = stream.end_capture()
+            whole.fill(7)
+            graph.launch(stream)
+            stream.synchronize()
+        _check([y], [want], [spec(want.shape, dtype)], dtype, (name, "graph"))
+        outside = cp.concatenate([whole[..., :16].ravel(), whole[..., 16 + c:].ravel()])
+        assert bool((outside == 7).all()), name
+
+
 def _small_training_model(tmp_path: Path) -> Path:
     """Conv/BN/ReLU stem, ceil-mode max pool, a residual Add, a ReLU6 branch, LRN, average pool, an SE-style
     Sigmoid/Mul, channel Concat, global pool, Flatten, Dropout and a biased Gemm."""

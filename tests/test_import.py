@@ -36,7 +36,8 @@ def test_shipped_models_import(name, training):
     kinds = {n.kind for n in g.nodes}
     assert kinds & CONVS
     # folded and dropped: nothing shape-computing or Identity survives
-    assert kinds <= {"conv", "conv_fused", "batchnorm", "relu", "clip", "maxpool", "avgpool", "globalavgpool", "concat", "add",
+    assert kinds <= {"conv", "conv_fused", "batchnorm", "relu", "clip", "maxpool", "avgpool", "globalavgpool", "concat",
+                     "concat_view", "add",
                      "gemm", "reshape", "dropout"}
     with_dropout = ("googlenet", "inception_v3", "mobilenet_v2", "squeezenet")
     assert ("dropout" in kinds) == (training and ".train" in name and name.startswith(with_dropout))
@@ -68,6 +69,40 @@ def test_googlenet_shapes_and_weight_count():
     assert params == 6_624_904 - bn_channels  # BN folded: one bias per channel instead of scale and shift
     concat_outs = [g.tensors[n.outputs[0]].shape for n in g.nodes if n.kind == "concat"]
     assert concat_outs[0] == [2, 256, 28, 28] and concat_outs[-1] == [2, 1024, 7, 7]
+
+
+def test_googlenet_concats_can_be_written_in_place():
+    """Every inception block's four branches end in a conv_fused that can write its channel slice of the
+    Concat's output: as a concat_view the Concat is a view, its inputs take no memory of their own, and every
+    reader of the Concat wait for all four convs. Importing alone changes nothing (solve decides)."""
+    from planner.analytic import estimate_profile
+    from planner.devices import load_device
+    from planner.fuse import concat_view_candidates, with_concat_views
+    from planner.problem import build_problem
+
+    copying = import_onnx(MODELS / "googlenet.onnx", batch=2)
+    names = concat_view_candidates(copying)
+    g = with_concat_views(copying, names)
+    assert len(names) == 9 and all(copying.node_by_name[n].kind == "concat" for n in names)
+    views = [n for n in g.nodes if n.kind == "concat_view"]
+    assert [n.name for n in views] == names and not any(n.kind == "concat" for n in g.nodes)
+    for n in views:
+        y = g.tensors[n.outputs[0]]
+        offsets = [g.tensors[x].channel_offset for x in n.inputs]
+        assert offsets == [0, *np.cumsum([g.tensors[x].shape[1] for x in n.inputs])[:-1]]
+        assert all(g.storage_of(x) == n.outputs[0] for x in n.inputs)
+        assert all(g.node_by_name[g.tensors[x].producer].attrs["concat_channels"] == y.shape[1] for x in n.inputs)
+    stored = lambda graph: sum(t.bytes for t in graph.tensors.values() if t.alias_of is None)  # noqa: E731
+    assert stored(copying) - stored(g) == sum(g.tensors[x].bytes for n in views for x in n.inputs)
+    p = build_problem(g, estimate_profile(g, load_device("h100")))
+    index = p.op_index
+    writers = sorted(index[g.tensors[x].producer] for x in views[0].inputs)
+    use = next(t for t in p.tensors if t.name == views[0].outputs[0])
+    assert use.writers == writers and use.producer == writers[-1]
+    for reader in g.tensors[views[0].outputs[0]].consumers:
+        assert set(writers) <= set(p.ops[index[reader]].preds)
+    with pytest.raises(PlannerError, match="cannot be written in place"):
+        with_concat_views(import_onnx(MODELS / "resnet50.onnx", batch=2), names[:1])
 
 
 def test_inference_fuses_conv_residual_relu():

@@ -154,6 +154,15 @@ def test_googlenet_inference_beats_serial_and_checks():
     t = plan.totals
     assert t.makespan_us < t.baseline_makespan_us and t.lower_bound_us <= t.makespan_us * 1.001
     assert plan.estimated and check_plan(plan).ok
+    writers: dict[str, list] = {}  # a concat_view's output is written by its four branch convs
+    for op in plan.ops:
+        for name in op.writes:
+            writers.setdefault(name, []).append(op)
+    concats = [r for r in plan.tensors if len(writers.get(r.tensor, [])) == 4]
+    assert len(concats) == 9
+    for r in concats:
+        assert r.intervals_us[0][0] == pytest.approx(min(op.start_us for op in writers[r.tensor]))
+        assert r.intervals_us[0][1] >= max(op.end_us for op in writers[r.tensor])
 
 
 def test_training_under_a_cap_offloads_or_recomputes_and_checks(googlenet_train_b1):

@@ -46,6 +46,7 @@ KERNELS = {
     "sum": lambda ins, a: [sum(ins[1:], ins[0])],
     "reduce_to_shape": lambda ins, a: [reduce_to_shape(ins[0], a["shape"])],
     "concat": lambda ins, a: [np.concatenate(ins, axis=a["axis"])],
+    "concat_view": lambda ins, a: [np.concatenate(ins, axis=1)],
     "slice": slice_,
     "reshape": lambda ins, a: [ins[0].reshape(a["shape"])],
     "dropout": dropout,

@@ -26,11 +26,19 @@ assert set(OPS) == {k for k, v in KINDS.items() if not v.view}, set(OPS) ^ {k fo
 # inputs that must be positive: a variance and an inverse standard deviation
 POSITIVE_INPUTS = {("batchnorm", 4), ("batchnorm_bwd", 4), ("bn_apply", 4)}
 
-__all__ = ["OPS", "TensorSpec", "build_op", "host_inputs", "in_place", "specs_of"]
+__all__ = ["OPS", "TensorSpec", "build_op", "host_inputs", "in_place", "node_specs", "specs_of"]
 
 
 def specs_of(graph, names: list[str]) -> list[TensorSpec]:
     return [spec(graph.tensors[t].shape, graph.tensors[t].dtype) for t in names]
+
+
+def node_specs(graph, node) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """A node's input and output specs; a conv_fused with `concat_channels` writes a channel slice of a tensor
+    that wide, whether `graph` has its concat as a concat_view (a plan) or not (the profiler measuring it)."""
+    outs = [spec(graph.tensors[t].shape, graph.tensors[t].dtype, node.attrs.get("concat_channels"))
+            for t in node.outputs]
+    return specs_of(graph, node.inputs), outs
 
 
 def build_op(graph, node, handle, algorithm: str | None = None):
@@ -38,7 +46,7 @@ def build_op(graph, node, handle, algorithm: str | None = None):
     only that candidate needs to be among its candidates."""
     token = WANTED_ALGORITHM.set(algorithm)
     try:
-        return OPS[node.kind](node.attrs, specs_of(graph, node.inputs), specs_of(graph, node.outputs), handle)
+        return OPS[node.kind](node.attrs, *node_specs(graph, node), handle)
     finally:
         WANTED_ALGORITHM.reset(token)
 

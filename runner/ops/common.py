@@ -37,14 +37,15 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     dtype: str
+    row_channels: int | None = None  # a channel slice of an NHWC buffer with this many channels (concat_view)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-def spec(shape, dtype: str) -> TensorSpec:
-    return TensorSpec(tuple(int(d) for d in shape), dtype)
+def spec(shape, dtype: str, row_channels: int | None = None) -> TensorSpec:
+    return TensorSpec(tuple(int(d) for d in shape), dtype, row_channels)
 
 
 def physical(shape) -> tuple[int, ...]:
@@ -87,7 +88,7 @@ def device_empty(s: TensorSpec):
     dtype = NUMPY_DTYPE[s.dtype]
     if len(s.shape) == 4:
         n, c, h, w = s.shape
-        return cp.empty((n, h, w, c), dtype=dtype).transpose(0, 3, 1, 2)
+        return cp.empty((n, h, w, s.row_channels or c), dtype=dtype)[..., :c].transpose(0, 3, 1, 2)
     return cp.empty(s.shape, dtype=dtype)
 
 

@@ -17,21 +17,25 @@ from runner.ops.common import THREADS, WANTED_ALGORITHM, Alternatives, blocks_fo
 CONV_KINDS = ("conv", "conv_bwd_data", "conv_bwd_filter")
 
 SRC = r"""
-// in place after a conv plan: y = relu?(y + b[c] + z), the channel c the last physical dim
-extern "C" __global__ void conv_epilogue(T* y, const T* b, const T* z, int n, int C, int has_bias, int has_z,
-                                         int relu) {
+// in place after a conv plan: y = relu?(y + b[c] + z), the channel c the last physical dim; y's pixels are
+// `pitch` channels apart (C, or a concat_view output's channel count when y is a channel slice of it)
+extern "C" __global__ void conv_epilogue(T* y, const T* b, const T* z, int n, int C, int pitch, int has_bias,
+                                         int has_z, int relu) {
     GRID_LOOP(i, n) {
-        float v = ld(y, i);
+        long long at = (long long)(i / C) * pitch + i % C;
+        float v = ld(y, at);
         if (has_bias) v += ld(b, i % C);
         if (has_z) v += ld(z, i);
-        st(y, i, relu && v < 0.f ? 0.f : v);
+        st(y, at, relu && v < 0.f ? 0.f : v);
     }
 }
 """
 
 
-def nhwc_strides(dims: list[int]) -> list[int]:
+def nhwc_strides(dims: list[int], pitch: int | None = None) -> list[int]:
+    """NHWC element strides of NCHW dims; `pitch`: channels between pixels (a channel slice of a wider tensor)."""
     n, c, h, w = dims
+    c = pitch or c
     return [c * h * w, 1, w * c, c]
 
 
@@ -85,10 +89,12 @@ def build_plans(g, max_plans: int | None = None) -> tuple[list[tuple[int, str, i
 
 class ConvOp:
     """One convolution node; `candidates` are the cuDNN plans that build, `launch(i, ...)` runs plan i. A
-    forward conv may carry an epilogue in the same graph: bias (added per channel), residual z, ReLU."""
+    forward conv may carry an epilogue in the same graph: bias (added per channel), residual z, ReLU, and write
+    y as a channel slice of a tensor with `y_pitch` channels."""
 
     def __init__(self, kind: str, attrs: dict, x_dims: list[int], w_dims: list[int], y_dims: list[int],
-                 dtype: str, handle, bias: bool = False, residual: bool = False, relu: bool = False):
+                 dtype: str, handle, bias: bool = False, residual: bool = False, relu: bool = False,
+                 y_pitch: int | None = None):
         cudnn = gpu().cudnn
         self.kind, self.handle, self.dtype, self.epilogue = kind, handle, dtype, []
         g = cudnn.pygraph(io_data_type=cudnn_dtype(dtype), intermediate_data_type=cudnn.data_type.FLOAT,
@@ -112,7 +118,7 @@ class ConvOp:
                 self.epilogue.append(z)
             if relu:
                 out = g.relu(name="relu", input=out)
-            out.set_dim(y_dims).set_stride(nhwc_strides(y_dims))
+            out.set_dim(y_dims).set_stride(nhwc_strides(y_dims, y_pitch))
         elif kind == "conv_bwd_data":
             self.x, self.w = mk("dy", y_dims), mk("w", w_dims)
             out = g.conv_dgrad(loss=self.x, filter=self.w, **conv_args)
@@ -134,11 +140,12 @@ class ConvOp:
 
 
 def conv_epilogue(y, bias, z, channels: int, relu: bool, dtype: str) -> None:
-    """y = relu?(y + bias + z) in place; bias, z may be None."""
+    """y = relu?(y + bias + z) in place; bias, z may be None; y may be a channel slice (pixel stride > C)."""
     n = y.size
+    pitch = y.strides[3] // y.itemsize
     fn = kernel(SRC, "conv_epilogue", dtype)
-    fn((blocks_for(n),), (THREADS,), (y, y if bias is None else bias, y if z is None else z, i32(n), i32(channels),
-                                      i32(bias is not None), i32(z is not None), i32(relu)))
+    fn((blocks_for(n),), (THREADS,), (y, y if bias is None else bias, y if z is None else z, i32(n),
+                                      i32(channels), i32(pitch), i32(bias is not None), i32(z is not None), i32(relu)))
 
 
 class ConvNode:
@@ -174,9 +181,10 @@ class FusedConv:
         self.fused, self.relu, self.residual = fused, attrs["relu"], attrs["residual"]
         x, w, y = ins[0], ins[1], outs[0]
         self.bias = len(ins) - self.residual > 2
-        conv_attrs = {k: v for k, v in attrs.items() if k not in ("relu", "residual")}
+        conv_attrs = {k: v for k, v in attrs.items() if k not in ("relu", "residual", "concat_channels")}
         epilogue = dict(bias=self.bias, residual=self.residual, relu=self.relu) if fused else {}
-        self.op = ConvOp("conv", conv_attrs, list(x.shape), list(w.shape), list(y.shape), y.dtype, handle, **epilogue)
+        self.op = ConvOp("conv", conv_attrs, list(x.shape), list(w.shape), list(y.shape), y.dtype, handle, **epilogue,
+                         y_pitch=attrs.get("concat_channels"))
         prefix = "fused" if fused else "unfused"
         self.plans = [p for p in self.op.candidates if p[1] not in skip]
         self.candidates = [(f"{prefix}:{name}", workspace) for _, name, workspace in self.plans]
