@@ -8,8 +8,8 @@ solver choose between them. Training graphs are left alone: there BatchNormaliza
 A channel Concat of conv_fused outputs that only it reads may also cost no copy: each conv writes its output
 straight into its channel slice of the Concat's output (cuDNN takes an NHWC output whose pixel stride is the
 Concat's channel count), and the Concat becomes the view `concat_view`. Whether that pays is measured (on H100
-most cuDNN engines then wrap the conv in slice-copy kernels), so solve decides per Concat and the plan lists
-the ones it made views (`Plan.concat_views`).
+most cuDNN engines then wrap the conv in slice-copy kernels), so solve decides (all candidate Concats or none)
+and the plan lists the ones it made views (`Plan.concat_views`).
 """
 
 from __future__ import annotations
