@@ -92,7 +92,7 @@ _k("avgpool", "[x] -> [y]: average pooling; attrs kernel, strides, pads, ceil_mo
 _k("globalavgpool", "[x] -> [y]: mean over H and W, keeping dims", recomputable=True, flops=lambda i, o, a: _numel(i[0]))
 _k("concat", "[x1, ..., xn] -> [y]: concatenation along attr axis", recomputable=True)
 _k("concat_view", "[x1, ..., xn] -> [y]: a channel Concat (NCHW axis 1) whose producers wrote each x_i in place as "
-   "channels of y (x_i alias_of y, with channel_offset): no kernel; made by fuse.concat_in_place, never imported",
+   "channels of y (x_i alias_of y, with channel_offset): no kernel; made by fuse.with_concat_views, never imported",
    view=True, flops=lambda i, o, a: 0)
 _k("gemm", "[A, B, C?] -> [Y]: alpha * A' B' + beta * C (C broadcast); attrs transA, transB, alpha, beta", flops=_gemm_flops)
 _k("matmul", "[A, B] -> [Y]: numpy matmul", flops=_gemm_flops)
