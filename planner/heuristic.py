@@ -191,7 +191,8 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             return True
 
         prefetch(True, True)
-        ready.sort(key=lambda j: (_net(p, j, jobs[j][0], rec, decision, first_left, second_left) > 0, -tail[j], j))
+        ready.sort(key=lambda j: (_net(p, j, jobs[j][0], rec, decision, first_left, second_left, allocated) > 0,
+                                  -tail[j], j))
         for j in list(ready):
             if len(running) >= streams:
                 break
@@ -221,9 +222,9 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
     return Outcome(s, s.makespan(p), over, stuck_at)
 
 
-def _net(p, j, alt, rec, decision, first_left, second_left) -> int:
+def _net(p, j, alt, rec, decision, first_left, second_left, allocated) -> int:
     """Bytes a job allocates minus those its end frees (it is the last holder of a residency)."""
-    net = _allocation(p, j, alt, rec)
+    net = _allocation(p, j, alt, rec, allocated)
     if j < len(p.ops):
         for t in p.ops[j].reads:
             second = decision.get(t, "keep") != "keep" and j in p.tensors[t].late
@@ -232,7 +233,7 @@ def _net(p, j, alt, rec, decision, first_left, second_left) -> int:
     return net
 
 
-def _allocation(p: Problem, job: int, alt: Alternative, rec: list[int], allocated: set[int] = frozenset()) -> int:
+def _allocation(p: Problem, job: int, alt: Alternative, rec: list[int], allocated: set[int]) -> int:
     """Bytes a job allocates when it starts: its workspace and what it writes (an op; but not a tensor another
     writer already allocated) or recomputes."""
     if job < len(p.ops):

@@ -193,12 +193,13 @@ def profile_graph(graph: Graph, store: ProfileStore, measure: Callable[[list[Nod
     `measure` gets one node per signature to do and yields OpProfiles; they are saved in batches while it runs,
     so an interrupted run keeps what it finished. Returns the profile and how many ops were measured now.
     """
+    nodes = profiled_nodes(graph)
     if force:
-        todo = list(dict.fromkeys(n.signature for n in profiled_nodes(graph) if not KINDS[n.kind].view))
+        todo = list(dict.fromkeys(n.signature for n in nodes if not KINDS[n.kind].view))
     else:
         todo = store.missing(graph)
     first = {}
-    for n in profiled_nodes(graph):
+    for n in nodes:
         first.setdefault(n.signature, n)
     done, pending, last_flush = 0, [], time.monotonic()
     try:
