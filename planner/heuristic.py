@@ -288,8 +288,8 @@ def _reverse_topological(preds: list[list[int]], succs: list[list[int]]) -> list
     return order
 
 
-def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400) -> Outcome | None:
-    """Keep/offload/recompute decisions that meet the cap with the shortest list schedule found.
+def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slack: float = 1.0) -> Outcome | None:
+    """Keep/offload/recompute decisions that meet the cap with the shortest list schedule (at `slack`) found.
 
     Starts: for each RECOMPUTE_LIMITS bound, recompute every tensor that cheap (per byte), then offload the
     fewest other saved tensors, earliest made first (their copies have the longest to hide in), that make the
@@ -302,7 +302,7 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400) -> O
     def run(decision: dict[int, Decision]) -> Outcome:
         nonlocal evals
         evals += 1
-        return list_schedule(p, cap_bytes, streams, decision)
+        return list_schedule(p, cap_bytes, streams, decision, slack)
 
     best = run({})
     if best.fits:

@@ -78,17 +78,17 @@ def assign_offsets(blocks: list[Block]) -> tuple[dict[str, int], int]:
 
 
 def persistent_tensors(graph: Graph) -> list[Tensor]:
-    """Weights, state, weight gradients, optimizer state: one allocation of their own, outside the arena."""
+    """Weights, state, weight gradients, optimizer state: placed before the arena, outside its offsets."""
     return [t for t in graph.tensors.values() if t.alias_of is None and t.persistent]
 
 
 def device_bytes(graph: Graph, plan: Plan) -> int:
-    """What the runner allocates for a plan, as the driver counts it: the arena its offsets need and the aligned
-    persistent tensors, two allocations, each taken in whole DRIVER_PAGE_BYTES pages. The arena can exceed the
-    plan's peak (placement is not perfect), which is why the solver checks this number."""
+    """What the runner allocates for a plan, as the driver counts it: the aligned persistent tensors and, after
+    them, the arena its offsets need, one allocation taken in whole DRIVER_PAGE_BYTES pages. The arena can exceed
+    the plan's peak (placement is not perfect), which is why the solver checks this number."""
     _, arena = assign_offsets(plan_blocks(plan)[0])
     persistent = sum(aligned(t.bytes) for t in persistent_tensors(graph))
-    return aligned(arena, DRIVER_PAGE_BYTES) + aligned(persistent, DRIVER_PAGE_BYTES)
+    return aligned(persistent + arena, DRIVER_PAGE_BYTES)
 
 
 def first_over(blocks: list[Block], offsets: dict[str, int], limit_bytes: int) -> Block | None:

@@ -91,8 +91,8 @@ class Execution:
         cp.cuda.Device().synchronize()
         cp.get_default_memory_pool().free_all_blocks()
         self.free_before = cp.cuda.runtime.memGetInfo()[0]
-        self.arena = _device_malloc(self.arena_bytes)
-        base = _device_malloc(self.persistent_bytes)
+        base = _device_malloc(self.persistent_bytes + self.arena_bytes)  # one allocation: one part-used page
+        self.arena = base + self.persistent_bytes
         self.persistent = {t.name: strided_view(base + int(off), t.shape, t.dtype) for t, off in zip(persistent, at)}
         cp.cuda.Device().synchronize()
         self.data_bytes = self.free_before - cp.cuda.runtime.memGetInfo()[0]

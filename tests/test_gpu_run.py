@@ -73,7 +73,7 @@ def test_capped_training_plan_validates(tmp_path, recompute):
     for tenths in range(9, 1, -1):
         try:
             plan = solve_plan(graph, profile, full.totals.resident_bytes + activations * tenths // 10
-                              + 2 * DRIVER_PAGE_BYTES, _options(10, recompute=recompute))
+                              + DRIVER_PAGE_BYTES, _options(10, recompute=recompute))
         except CapTooSmall:
             break
         if plan.copies or any(op.recompute_of for op in plan.ops):
