@@ -141,12 +141,13 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         plan.totals.baseline_makespan_us = plan.totals.makespan_us
         return plan
     fits = lambda plan: device_bytes(graph, plan) <= cap_bytes  # noqa: E731
+    slack = fit_slack(p, options.streams)
     if base_peak <= cap_bytes:  # the peak does not bind; the arena, in driver pages, may still
         plan = _solve_under(graph, p, cap_bytes, base, base_peak, options, on_progress,
-                            best_heuristic(p, cap_bytes, options.streams, fit_slack(p, options.streams)))
+                            best_heuristic(p, cap_bytes, options.streams, slack))
         if fits(plan):
             return plan
-    target, hint = _arena_fit(graph, p, cap_bytes, options.streams)
+    target, hint = _arena_fit(graph, p, cap_bytes, options.streams, slack)
     plan = _solve_under(graph, p, target, base, base_peak, options, on_progress, hint, fits)
     if hint is None and not fits(plan):
         raise CapTooSmall(f"CP-SAT's plan peaks under the cap {fmt_bytes(cap_bytes)} but its arena needs "
@@ -157,13 +158,14 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     return plan
 
 
-def _arena_fit(graph: Graph, p: Problem, cap_bytes: int, streams: int) -> tuple[int, Schedule | None]:
+def _arena_fit(graph: Graph, p: Problem, cap_bytes: int, streams: int, slack: float
+               ) -> tuple[int, Schedule | None]:
     """The largest solver cap, stepping down from the user's, whose heuristic plan the runner can lay out
     within the user's cap: placement leaves gaps (3-5% over the peak on capped training plans, more as
     offloads multiply), so a plan whose peak meets the cap exactly may not fit as an arena. The gap is not
     monotone in the cap (GoogLeNet training at 50%: a plan 4% below fits, 5-14% below do not), hence small
     steps."""
-    room, slack = cap_bytes - p.resident_bytes, fit_slack(p, streams)
+    room = cap_bytes - p.resident_bytes
     for k in range(ARENA_STEPS):
         target = cap_bytes - int(k * ARENA_STEP * room)
         hint = best_heuristic(p, target, streams, slack)
@@ -247,7 +249,7 @@ def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float) -> Sc
                 if peak_memory(p, out.schedule.decision, timed(p, out.schedule))[0] <= cap_bytes:
                     best = out
         if not fitted.schedule.decision:
-            break  # nothing offloaded: the margin changes nothing
+            break  # the cap does not bind (nothing offloaded or recomputed): the margin changes nothing
     return best.schedule if best else None
 
 
