@@ -275,7 +275,7 @@ def _bench_config(graph: Graph, device, s: Settings, with_torch: bool, console: 
         t = planned.totals
         variants.append(_our_variant("ours planned", graph, planned, host, params,
                                      f"{t.streams_used} stream{'s' * (t.streams_used != 1)}, predicted "
-                                     f"{fmt_us(t.makespan_us)}"
+                                     f"{fmt_us(t.predicted_us)}"
                                      + (f", offloads {fmt_bytes(t.offloaded_bytes)}" if t.offloaded_bytes else "")
                                      + (f", recomputes {fmt_bytes(t.recomputed_bytes)}" if t.recomputed_bytes
                                         else "")))

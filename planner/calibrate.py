@@ -13,6 +13,12 @@ the memory system with the kernels), and a plan whose prefetch ends just in time
 `planner run --trace` files, each direction's `copy_slowdown` is fitted first: the traced copies' summed
 durations over what the profile priced them at alone. The dispatch fit then replays the plans with copies
 re-priced at it.
+
+Copies also slow the compute beside them (H100, ResNet-50 training b32 at 50% memory: the forward pass ran 9%
+slower while offloads ran, and the backward fell behind the prefetch chain), by an amount that grows with the
+plan's copy time. `copy_interference` is that cost per microsecond of copy: the least-squares slope of what the
+replay leaves unexplained in the runs with copies against their copy time, once the dispatch time is fitted on
+the runs without (or, when every run copies, by alternating the two fits).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from planner.store import ProfileStore, measured_stores
 
 MAX_DISPATCH_US = 50.0
 DIRECTIONS = ("d2h", "h2d")
+ROUNDS = 5  # alternations of the dispatch and interference fits when no run is without copies
 
 
 @dataclass
@@ -44,15 +51,28 @@ class Calibrated:
 
     @property
     def predicted_us(self) -> float:
-        return self.plan.totals.makespan_us
+        return self.plan.totals.predicted_us
+
+    @property
+    def copy_us(self) -> float:
+        """The plan's copies' summed duration at the run's copy slowdown."""
+        scale = _copy_scale(self.plan, self.copy_slowdown)
+        return sum((c.end_us - c.start_us) * scale[c.direction] for c in self.plan.copies)
+
+    def simulated_us(self, dispatch_us: float, copy_interference: float) -> float:
+        return simulated_makespan_us(self.plan, dispatch_us, self.copy_slowdown) + copy_interference * self.copy_us
+
+
+def _copy_scale(plan: Plan, copy_slowdown: dict[str, float] | None) -> dict[str, float]:
+    priced = plan.totals.copy_slowdown
+    return {d: {**priced, **(copy_slowdown or {})}.get(d, 1.0) / priced.get(d, 1.0) for d in DIRECTIONS}
 
 
 def simulated_makespan_us(plan: Plan, dispatch_us: float, copy_slowdown: dict[str, float] | None = None) -> float:
     """The plan's iteration replayed with every op's duration re-priced at `dispatch_us` and every copy's at
     `copy_slowdown` (in place of those it was solved with)."""
     shift = dispatch_us - plan.totals.dispatch_us
-    priced = plan.totals.copy_slowdown
-    scale = {d: {**priced, **(copy_slowdown or {})}.get(d, 1.0) / priced.get(d, 1.0) for d in DIRECTIONS}
+    scale = _copy_scale(plan, copy_slowdown)
     retimed = plan.model_copy(update={
         "ops": [op.model_copy(update={"end_us": op.end_us + shift}) for op in plan.ops],
         "copies": [c.model_copy(update={"end_us": c.start_us + (c.end_us - c.start_us) * scale[c.direction]})
@@ -63,27 +83,49 @@ def simulated_makespan_us(plan: Plan, dispatch_us: float, copy_slowdown: dict[st
     return max(end for _, end in times.values())
 
 
-def mean_error(runs: list[Calibrated], dispatch_us: float) -> float:
-    return sum(simulated_makespan_us(r.plan, dispatch_us, r.copy_slowdown) / r.measured_us - 1
-               for r in runs) / len(runs)
+def mean_error(runs: list[Calibrated], dispatch_us: float, copy_interference: float = 0.0) -> float:
+    return sum(r.simulated_us(dispatch_us, copy_interference) / r.measured_us - 1 for r in runs) / len(runs)
 
 
-def fit_dispatch_us(runs: list[Calibrated], tolerance_us: float = 0.01) -> float:
+def fit(runs: list[Calibrated]) -> tuple[float, float]:
+    """(dispatch_us, copy_interference) for the runs; sets each run's `fitted_us`."""
+    if not runs:
+        raise PlannerError("no run reports to calibrate from")
+    plain = [r for r in runs if not r.plan.copies]
+    interference = 0.0
+    for _ in range(1 if plain else ROUNDS):
+        dispatch = fit_dispatch_us(plain or runs, interference)
+        interference = fit_copy_interference(runs, dispatch)
+    for r in runs:
+        r.fitted_us = r.simulated_us(dispatch, interference)
+    return dispatch, interference
+
+
+def fit_copy_interference(runs: list[Calibrated], dispatch_us: float) -> float:
+    """Least squares through the origin of (measured - replayed) against copy time over the runs with copies:
+    sum(c * e) / sum(c^2), at least 0 (copies do not speed compute up)."""
+    pairs = [(r.copy_us, r.measured_us - r.simulated_us(dispatch_us, 0.0)) for r in runs if r.plan.copies]
+    squares = sum(c * c for c, _ in pairs)
+    return round(max(0.0, sum(c * e for c, e in pairs) / squares), 4) if squares else 0.0
+
+
+def fit_dispatch_us(runs: list[Calibrated], copy_interference: float = 0.0, tolerance_us: float = 0.01) -> float:
     """The dispatch time at which the runs' mean relative error is zero (the makespan grows with it)."""
     if not runs:
         raise PlannerError("no run reports to calibrate from")
+    error = lambda dispatch: mean_error(runs, dispatch, copy_interference)  # noqa: E731
     lo, hi = 0.0, MAX_DISPATCH_US
-    if mean_error(runs, lo) >= 0:
+    if error(lo) >= 0:
         return 0.0  # already over-predicted without any dispatch time
-    if mean_error(runs, hi) < 0:
+    if error(hi) < 0:
         raise PlannerError(f"even {MAX_DISPATCH_US:g} us per op under-predicts these runs: the gap is not "
                            "per-op overhead (copies? another GPU's profile?)")
     while hi - lo > tolerance_us:
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if mean_error(runs, mid) < 0 else (lo, mid)
+        lo, hi = (mid, hi) if error(mid) < 0 else (lo, mid)
     dispatch = round((lo + hi) / 2, 2)
     for r in runs:
-        r.fitted_us = simulated_makespan_us(r.plan, dispatch, r.copy_slowdown)
+        r.fitted_us = r.simulated_us(dispatch, copy_interference)
     return dispatch
 
 
@@ -112,17 +154,17 @@ def fit_copy_slowdown(copies: list[tuple[str, float, float]]) -> dict[str, float
 
 def pair(report: RunReport, plan: Plan, name: str) -> Calibrated:
     """A report with the plan it measured: refuse a plan that is not the one run (another prediction)."""
-    if plan.model_name != report.model_name or abs(plan.totals.makespan_us - report.predicted_us) > 1e-6 * max(
+    if plan.model_name != report.model_name or abs(plan.totals.predicted_us - report.predicted_us) > 1e-6 * max(
             1.0, report.predicted_us):
         raise PlannerError(f"{name}: the report predicted {report.predicted_us:.1f} us, the plan file "
-                           f"{report.plan_file} {plan.totals.makespan_us:.1f} us: not the plan that was run")
+                           f"{report.plan_file} {plan.totals.predicted_us:.1f} us: not the plan that was run")
     if report.mode != "graph":
         raise PlannerError(f"{name}: an --eager run; calibrate from CUDA-graph replays")
     return Calibrated(name, plan, report.measured_median_us)
 
 
 def write_calibration(targets: list[Path], fingerprint: str, mode: str, dispatch_us: float,
-                      copy_slowdown: dict[str, float]) -> list[Path]:
+                      copy_slowdown: dict[str, float], copy_interference: float | None) -> list[Path]:
     """Set the mode's dispatch time and the copy slowdown in profile files and in store directories (their file
     for the device); every target is checked before any is written."""
     writes = []
@@ -139,8 +181,8 @@ def write_calibration(targets: list[Path], fingerprint: str, mode: str, dispatch
         writes.append((target, profile))
     for path, what in writes:
         if isinstance(what, ProfileStore):
-            what.set_calibration(mode, dispatch_us, copy_slowdown)
+            what.set_calibration(mode, dispatch_us, copy_slowdown, copy_interference)
         else:
-            what.device.calibrate(mode, dispatch_us, copy_slowdown)
+            what.device.calibrate(mode, dispatch_us, copy_slowdown, copy_interference)
             save_model(what, path)
     return [path for path, _ in writes]

@@ -236,13 +236,13 @@ def solve(
     stem = f"{graph.model_name}.{mode}.b{graph.batch}.{graph.dtype}" + (".baseline" if baseline else "")
     rows = []
     for cap in caps:
-        plan = _solve_one(graph, prof, cap, options, len(caps) > 1)
-        rows.append((cap, plan))
-        if plan is None:
-            continue
         target = out if out and len(caps) == 1 else (out.with_suffix(f".{cap >> 20}MiB.json") if out else
                                                      Path("plans") / f"{stem}.{cap >> 20}MiB.json"
                                                      if len(caps) > 1 else Path("plans") / f"{stem}.json")
+        plan = _solve_one(graph, prof, cap, options, len(caps) > 1, target)
+        rows.append((cap, plan))
+        if plan is None:
+            continue
         save_model(plan, target)
         if len(caps) == 1:
             _print_plan_summary(plan)
@@ -255,18 +255,29 @@ def solve(
         raise CapTooSmall("no cap of the sweep can be met", 0)
 
 
-def _solve_one(graph, prof, cap: int, options, sweeping: bool):
+def _solve_one(graph, prof, cap: int, options, sweeping: bool, target: Path):
+    """Solve under one cap; the first valid plan is written to `target` as soon as it is found, so that an
+    interrupted solve leaves a plan (the caller writes the final one)."""
     from rich.live import Live
 
     from planner.solve import CapTooSmall, solve_plan
 
     status = Text(f"solving at cap {fmt_bytes(cap)}: building the model…")
-    with Live(status, console=console, transient=True, refresh_per_second=4):
+    written: list[float] = []
+    with Live(status, console=console, transient=True, refresh_per_second=4) as live:
         def progress(best_us: float, bound_us: float, elapsed_s: float) -> None:
             status.plain = (f"solving at cap {fmt_bytes(cap)}: {elapsed_s:5.1f} s, best {best_us:.1f} us, "
                             f"bound {bound_us:.1f} us")
+
+        def first(plan) -> None:
+            if written and written[0] <= plan.totals.predicted_us:
+                return
+            save_model(plan, target)
+            written[:] = [plan.totals.predicted_us]
+            live.console.print(f"first valid plan after {plan.totals.first_plan_s:.1f} s: "
+                               f"{plan.totals.predicted_us:.1f} us, written to {target}; searching on")
         try:
-            return solve_plan(graph, prof, cap, options, progress)
+            return solve_plan(graph, prof, cap, options, progress, first)
         except CapTooSmall as e:
             if not sweeping:
                 raise
@@ -279,17 +290,19 @@ def _print_plan_summary(plan) -> None:
     table = Table(show_header=False, title=f"plan for {plan.model_name} b{plan.batch} {plan.dtype}"
                   + (" [yellow](ESTIMATED profile)[/]" if plan.estimated else ""), title_justify="left")
     rows = [
-        ("predicted iteration time", f"{t.makespan_us:.1f} us"),
+        ("predicted iteration time", f"{t.predicted_us:.1f} us" + (
+            f" (makespan {t.makespan_us:.1f} + copy interference {t.copy_interference_us:.1f})"
+            if t.copy_interference_us else "")),
         ("baseline (serial, fastest algorithm, all kept)", f"{t.baseline_makespan_us:.1f} us, "
                                                           f"peak {fmt_bytes(t.baseline_peak_bytes)}"),
-        ("speed-up over the baseline", f"{t.baseline_makespan_us / t.makespan_us:.2f}x"),
+        ("speed-up over the baseline", f"{t.baseline_makespan_us / t.predicted_us:.2f}x"),
         ("predicted peak memory / cap", f"{fmt_bytes(t.peak_bytes)} / {fmt_bytes(t.mem_cap_bytes)}"),
         ("offloaded / recomputed", f"{fmt_bytes(t.offloaded_bytes)} / {fmt_bytes(t.recomputed_bytes)}"),
         ("compute streams / events", f"{t.streams_used} / {t.events_used}"),
         ("concats written in place", f"{len(plan.concat_views)}"),
         ("lower bound, gap", f"{t.lower_bound_us:.1f} us ("
                              + ", ".join(f"{k} {v:.1f}" for k, v in t.bounds_us.items()) + f"), gap {t.gap:.1%}"),
-        ("solver", f"{t.status} in {t.solve_time_s:.1f} s"),
+        ("solver", f"{t.status} in {t.solve_time_s:.1f} s (first valid plan after {t.first_plan_s:.1f} s)"),
     ]
     rows += [("simplified", s) for s in t.simplifications]
     for row in rows:
@@ -305,14 +318,14 @@ def _print_tradeoff(rows, graph, png: Optional[Path]) -> None:
             table.add_row(fmt_bytes(cap), "no plan", "", "", "", "", "cap too small")
             continue
         t = plan.totals
-        table.add_row(fmt_bytes(cap), f"{t.makespan_us:.1f} us", f"{t.baseline_makespan_us / t.makespan_us:.2f}x",
+        table.add_row(fmt_bytes(cap), f"{t.predicted_us:.1f} us", f"{t.baseline_makespan_us / t.predicted_us:.2f}x",
                       fmt_bytes(t.peak_bytes), fmt_bytes(t.offloaded_bytes), fmt_bytes(t.recomputed_bytes), t.status)
     console.print(table)
     if png is not None:
         from planner.show import draw_tradeoff
 
         base = next((p.totals.baseline_makespan_us for _, p in rows if p is not None), 0.0)
-        draw_tradeoff([(c, p.totals.makespan_us if p else None, base) for c, p in rows], png,
+        draw_tradeoff([(c, p.totals.predicted_us if p else None, base) for c, p in rows], png,
                       f"{graph.model_name} b{graph.batch} {graph.dtype}")
         console.print(f"trade-off chart written to {png}")
 
@@ -352,7 +365,7 @@ def calibrate(
     measured runs; --write stores them."""
     import json
 
-    from planner.calibrate import fit_copy_slowdown, fit_dispatch_us, pair, traced_copies, write_calibration
+    from planner.calibrate import fit, fit_copy_slowdown, pair, traced_copies, write_calibration
     from planner.files import load_model
     from planner.plan import Plan
     from planner.report import RunReport
@@ -379,10 +392,13 @@ def calibrate(
     copy_slowdown = fit_copy_slowdown(copies)
     for r in runs:
         r.copy_slowdown = copy_slowdown
-    dispatch = fit_dispatch_us(runs)
+    dispatch, interference = fit(runs)
     slowdown = ", ".join(f"{d} copies x{v:.3f}" for d, v in copy_slowdown.items())
-    table = Table(title=f"{mode}: dispatch time per op {dispatch:.2f} us{'; ' + slowdown if slowdown else ''} "
-                        f"(mean error over {len(runs)} runs: 0)")
+    if not any(r.plan.copies for r in runs):
+        interference = None  # nothing to fit it from: the stored value stays
+    else:
+        slowdown += f"; copy interference {interference:.3f} us per us of copy"
+    table = Table(title=f"{mode}: dispatch time per op {dispatch:.2f} us{'; ' + slowdown if slowdown else ''}")
     for col in ("run", "ops", "measured us", "predicted us (error)", "at the fitted values (error)"):
         table.add_column(col, justify="left" if col == "run" else "right", overflow="fold")
     for r in runs:  # errors as `planner run` reports them: measured over predicted, minus 1
@@ -390,7 +406,7 @@ def calibrate(
                       f"{r.predicted_us:.1f} ({r.measured_us / r.predicted_us - 1:+.1%})",
                       f"{r.fitted_us:.1f} ({r.measured_us / r.fitted_us - 1:+.1%})")
     console.print(table)
-    for path in write_calibration(write or [], fingerprints.pop(), mode, dispatch, copy_slowdown):
+    for path in write_calibration(write or [], fingerprints.pop(), mode, dispatch, copy_slowdown, interference):
         console.print(f"calibration written to {path}")
 
 

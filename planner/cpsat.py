@@ -223,15 +223,18 @@ def add_makespan(m: cp_model.CpModel, p: Problem, v: Vars) -> None:
     m.add_max_equality(v.makespan, v.end)
 
 
-def set_objective(m: cp_model.CpModel, v: Vars, cap_bytes: int, resident_bytes: int) -> int:
-    """minimise makespan * (levels + 1) + ceil(peak / unit), unit about a hundredth of the free memory (so the
-    peak only breaks ties between equal makespans); returns the makespan's weight."""
-    free = max(1, cap_bytes - resident_bytes)
+def set_objective(m: cp_model.CpModel, p: Problem, v: Vars, cap_bytes: int) -> int:
+    """minimise (makespan + sum_t offload[t] * round(copy_interference * (d2h[t] + h2d[t]))) * (levels + 1)
+    + ceil(peak / unit), unit about a hundredth of the free memory (so the peak only breaks ties between equal
+    costs); the first term is the heuristic's cost (heuristic.interference_ticks); returns its weight."""
+    interference = sum(lit * round(p.device.copy_interference * (p.tensors[t].d2h_ticks + p.tensors[t].h2d_ticks))
+                       for t, lit in v.offload.items() if p.tensors[t].can_offload)
+    free = max(1, cap_bytes - p.resident_bytes)
     unit = max(1, free // PEAK_LEVELS)
     levels = -(-free // unit)
     level = m.new_int_var(0, levels, "peak_level")
     m.add(v.peak <= level * unit)
-    m.minimize(v.makespan * (levels + 1) + level)
+    m.minimize((v.makespan + interference) * (levels + 1) + level)
     return levels + 1
 
 
@@ -307,7 +310,7 @@ def solve(p: Problem, cap_bytes: int, streams: int, horizon: int, time_limit_s: 
         m.minimize(v.peak)
         weight = 1
     else:
-        weight = set_objective(m, v, cap_bytes, p.resident_bytes)
+        weight = set_objective(m, p, v, cap_bytes)
     if hint is not None:
         add_hint(m, p, v, hint)
     solver = cp_model.CpSolver()

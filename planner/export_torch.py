@@ -118,7 +118,7 @@ def torch_module_source(graph: Graph, plan: Plan | None = None) -> str:
     source = TEMPLATE.read_text()
     title = (f"{graph.model_name}: batch {graph.batch}, {graph.dtype}, "
              f"{'training' if graph.training else 'inference'}"
-             + (f", plan predicted {plan.totals.makespan_us / 1000:.3f} ms on {plan.device_fingerprint}"
+             + (f", plan predicted {plan.totals.predicted_us / 1000:.3f} ms on {plan.device_fingerprint}"
                 if plan else ", serial (no plan)"))
     source = source.replace("PLAN_TITLE", title, 1)
     source = source.replace("GRAPH: dict = {}  # filled in by the exporter: the forward op DAG",

@@ -72,6 +72,7 @@ class Totals(BaseModel):
     status: str
     gap: float
     solve_time_s: float
+    first_plan_s: float = Field(0.0, description="seconds from the start of the solve to its first valid plan")
     streams_used: int = 0
     events_used: int = 0
     offloaded_bytes: int = 0
@@ -80,7 +81,15 @@ class Totals(BaseModel):
     dispatch_us: float = Field(0.0, description="the profile's per-op dispatch time, included in every op's duration")
     copy_slowdown: dict[Literal["d2h", "h2d"], float] = Field(
         default_factory=dict, description="the profile's calibrated copy slowdown, included in every copy's duration")
+    copy_interference_us: float = Field(
+        0.0, description="compute time the plan's host copies are expected to cost the ops beside them: the "
+        "profile's calibrated copy_interference times the copies' summed duration (not in the makespan)")
     simplifications: list[str] = Field(default_factory=list)
+
+    @property
+    def predicted_us(self) -> float:
+        """The iteration time `planner run` is expected to measure: the replayed makespan plus copy interference."""
+        return self.makespan_us + self.copy_interference_us
 
 
 class Plan(BaseModel):

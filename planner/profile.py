@@ -101,14 +101,22 @@ class DeviceInfo(BaseModel):
         "the memory system with running kernels), per direction; fitted from run traces by `planner calibrate "
         "--trace`, 1 until then")
 
+    copy_interference: float = Field(
+        0.0, description="compute time an iteration loses per unit of host-copy time: kernels beside a copy run "
+        "slower and the ops waiting on a copy chain fall behind (H100 ResNet-50 training: forward 9% slower "
+        "while offloads run); fitted from measured runs by `planner calibrate`, 0 until then")
+
     def dispatch_for(self, training: bool) -> float:
         return self.dispatch_us.get("training" if training else "inference", 0.0)
 
     def calibrate(self, mode: Literal["training", "inference"], dispatch_us: float,
-                  copy_slowdown: dict[str, float]) -> None:
-        """Record what `planner calibrate` fitted: the mode's dispatch time and the directions' copy slowdown."""
+                  copy_slowdown: dict[str, float], copy_interference: float | None) -> None:
+        """Record what `planner calibrate` fitted: the mode's dispatch time, the directions' copy slowdown and
+        the copy interference (None: no run copied, keep it)."""
         self.dispatch_us[mode] = dispatch_us
         self.copy_slowdown.update(copy_slowdown)
+        if copy_interference is not None:
+            self.copy_interference = copy_interference
 
     def copy_us(self, direction: Literal["d2h", "h2d"], nbytes: int) -> float:
         """A host copy's duration inside an iteration: latency plus bytes at the rate measured alone, slowed

@@ -38,7 +38,7 @@ def print_timeline(plan: Plan, console: Console, ops_per_stream: int = 12) -> No
     t = plan.totals
     span = max(t.makespan_us, 1e-9)
     console.print(f"[bold]{plan.model_name}[/] {'training' if plan.training else 'inference'}, batch {plan.batch}, "
-                  f"{plan.dtype}: {t.makespan_us:.1f} us predicted (baseline {t.baseline_makespan_us:.1f} us), "
+                  f"{plan.dtype}: {t.predicted_us:.1f} us predicted (baseline {t.baseline_makespan_us:.1f} us), "
                   f"peak {t.peak_bytes / 2**20:.1f} MiB of {t.mem_cap_bytes / 2**20:.1f} MiB"
                   + (" [yellow](ESTIMATED profile)[/]" if plan.estimated else ""))
     by_stream = _items_by_stream(plan)

@@ -7,13 +7,14 @@ serial schedule under the cap (hint and fallback); CP-SAT; the better schedule b
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Literal
 
 from planner.files import PlannerError
 from planner.fuse import concat_view_candidates, concat_view_nodes, with_concat_views
 from planner.memsize import fmt_bytes
-from planner.heuristic import baseline, fit_cap, list_schedule
+from planner.heuristic import baseline, cost, fit_cap, interference_ticks, list_schedule
 from planner.ir import Graph
 from planner.plan import Plan, Totals
 from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Problem, build_problem
@@ -28,6 +29,8 @@ LIST_SLACKS = (1.0, 1.1, 1.3, 1.5, 1.7, 2.0, 2.5, 3.0, float("inf"))  # how much
 COPY_MARGINS = (1.0, 1.2)  # the heuristic also chooses its offloads with copies priced 20% slower (see best_heuristic)
 ARENA_STEP = 0.01  # a binding cap: the solver's cap is lowered in steps of 1% of the room above resident bytes
 ARENA_STEPS = 30  # ... until the runner's arena fits the user's cap
+QUICK_EVALS = 40  # fit_cap's budget for the first valid plan (its starts, no one-decision improvements)
+FIT_EVALS = 400  # ... and for the plan CP-SAT starts from
 
 
 def device_bytes(graph: Graph, plan: Plan) -> int:
@@ -87,23 +90,25 @@ def memory_lower_bound(p: Problem) -> tuple[int, str]:
 
 
 def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options = Options(),
-               on_progress: Callable[[float, float, float], None] | None = None) -> Plan:
+               on_progress: Callable[[float, float, float], None] | None = None,
+               on_plan: Callable[[Plan], None] | None = None) -> Plan:
     """The plan of one graph under one cap. Where concats can be views (fuse.concat_view_candidates) and the
     profile measured their producers writing strided, `concat` "auto" solves with every such concat a view and
     with none, half the time limit each, and keeps the faster plan: a strided conv is slower (on H100 most cuDNN
     engines wrap it in slice copies) but runs beside its sibling branches, while the copy it saves sits on the
-    critical path. "view" forces them, "copy" (and the framework-style baseline) never makes views."""
+    critical path. "view" forces them, "copy" (and the framework-style baseline) never makes views.
+    `on_plan` gets the first valid plan (the quick heuristic's, within seconds) while the search goes on."""
     views = [] if options.concat == "copy" or options.baseline else concat_view_candidates(graph)
     if options.concat == "auto" and not all(n.signature in profile.ops for n in concat_view_nodes(graph)):
         views = []
     if not views:
-        return _solve_graph(graph, profile, cap_bytes, options, on_progress)
+        return _solve_graph(graph, profile, cap_bytes, options, on_progress, on_plan)
     if profile.graph_sha256 not in (None, graph.graph_sha256):
         raise PlannerError("the profile was assembled for another graph (model, batch, dtype or mode differ)")
     half = replace(options, time_limit_s=options.time_limit_s / 2) if options.concat == "auto" else options
     try:
         viewed = _solve_graph(with_concat_views(graph, views), profile.model_copy(update={"graph_sha256": None}),
-                              cap_bytes, half, on_progress)
+                              cap_bytes, half, on_progress, on_plan)
         viewed.graph_sha256, viewed.concat_views = graph.graph_sha256, views
     except CapTooSmall:
         if options.concat == "view":
@@ -111,15 +116,17 @@ def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options 
         viewed = None
     if options.concat == "view":
         return viewed
-    copied = _solve_graph(graph, profile, cap_bytes, half, on_progress)
-    best = viewed if viewed is not None and viewed.totals.makespan_us < copied.totals.makespan_us else copied
-    best.totals.status += (f"; {len(views)} concats as views: {viewed.totals.makespan_us:.1f} us, copied: "
-                           f"{copied.totals.makespan_us:.1f} us" if viewed else "; concats copied (as views no plan fits)")
+    copied = _solve_graph(graph, profile, cap_bytes, half, on_progress, on_plan)
+    best = viewed if viewed is not None and viewed.totals.predicted_us < copied.totals.predicted_us else copied
+    best.totals.status += (f"; {len(views)} concats as views: {viewed.totals.predicted_us:.1f} us, copied: "
+                           f"{copied.totals.predicted_us:.1f} us" if viewed else "; concats copied (as views no plan fits)")
     return best
 
 
 def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Options,
-                 on_progress: Callable[[float, float, float], None] | None) -> Plan:
+                 on_progress: Callable[[float, float, float], None] | None,
+                 on_plan: Callable[[Plan], None] | None = None) -> Plan:
+    t0 = time.monotonic()
     p = build_problem(graph, profile, options.max_alternatives, options.offload, options.recompute, options.dram)
     base = baseline(p)
     base_tm = timed(p, base)
@@ -142,12 +149,35 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         return plan
     fits = lambda plan: device_bytes(graph, plan) <= cap_bytes  # noqa: E731
     slack = fit_slack(p, options.streams)
+    first_s = None
+
+    def first(target: int, hint: Schedule) -> Plan:
+        """The heuristic's plan, handed to on_plan when it is the first valid one."""
+        nonlocal first_s
+        plan = _solve_under(graph, p, target, base, base_peak, replace(options, time_limit_s=0), None, hint)
+        plan.totals.mem_cap_bytes = cap_bytes
+        if fits(plan) and first_s is None:
+            first_s = plan.totals.first_plan_s = time.monotonic() - t0
+            if on_plan:
+                on_plan(plan)
+        return plan
+
+    def done(plan: Plan) -> Plan:
+        plan.totals.first_plan_s = first_s if first_s is not None else time.monotonic() - t0
+        return plan
+
     if base_peak <= cap_bytes:  # the peak does not bind; the arena, in driver pages, may still
-        plan = _solve_under(graph, p, cap_bytes, base, base_peak, options, on_progress,
-                            best_heuristic(p, cap_bytes, options.streams, slack))
-        if fits(plan):
-            return plan
-    target, hint = _arena_fit(graph, p, cap_bytes, options.streams, slack)
+        hint = best_heuristic(p, cap_bytes, options.streams, slack)
+        if hint is not None and fits(first(cap_bytes, hint)):
+            return done(_solve_under(graph, p, cap_bytes, base, base_peak, options, on_progress, hint, fits))
+    target, hint = _arena_fit(graph, p, cap_bytes, cap_bytes, options.streams, slack, QUICK_EVALS)
+    if hint is not None:
+        first(target, hint)
+        fuller = _arena_fit(graph, p, cap_bytes, target, options.streams, slack, FIT_EVALS)
+        if fuller[1] is not None and _cost(p, fuller[1]) <= _cost(p, hint):
+            target, hint = fuller
+    else:
+        target, hint = _arena_fit(graph, p, cap_bytes, cap_bytes, options.streams, slack, FIT_EVALS)
     plan = _solve_under(graph, p, target, base, base_peak, options, on_progress, hint, fits)
     if hint is None and not fits(plan):
         raise CapTooSmall(f"CP-SAT's plan peaks under the cap {fmt_bytes(cap_bytes)} but its arena needs "
@@ -155,20 +185,20 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     if target < cap_bytes:
         plan.totals.status += f"; solved under {fmt_bytes(target)} so that the runner's arena fits the cap"
     plan.totals.mem_cap_bytes = cap_bytes
-    return plan
+    return done(plan)
 
 
-def _arena_fit(graph: Graph, p: Problem, cap_bytes: int, streams: int, slack: float
-               ) -> tuple[int, Schedule | None]:
-    """The largest solver cap, stepping down from the user's, whose heuristic plan the runner can lay out
-    within the user's cap: placement leaves gaps (3-5% over the peak on capped training plans, more as
-    offloads multiply), so a plan whose peak meets the cap exactly may not fit as an arena. The gap is not
-    monotone in the cap (GoogLeNet training at 50%: a plan 4% below fits, 5-14% below do not), hence small
-    steps."""
+def _arena_fit(graph: Graph, p: Problem, cap_bytes: int, start_bytes: int, streams: int, slack: float,
+               max_evals: int) -> tuple[int, Schedule | None]:
+    """The largest solver cap, stepping down from `start_bytes`, whose heuristic plan (fit_cap with
+    `max_evals`) the runner can lay out within the user's cap: placement leaves gaps (3-5% over the peak on
+    capped training plans, more as offloads multiply), so a plan whose peak meets the cap exactly may not fit
+    as an arena. The gap is not monotone in the cap (GoogLeNet training at 50%: a plan 4% below fits, 5-14%
+    below do not), hence small steps."""
     room = cap_bytes - p.resident_bytes
     for k in range(ARENA_STEPS):
-        target = cap_bytes - int(k * ARENA_STEP * room)
-        hint = best_heuristic(p, target, streams, slack)
+        target = start_bytes - int(k * ARENA_STEP * room)
+        hint = best_heuristic(p, target, streams, slack, max_evals)
         if hint is None:
             break
         if device_bytes(graph, _plan_of(graph, p, hint, target, streams)) <= cap_bytes:
@@ -208,7 +238,7 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
         result = cpsat.solve(p, cap_bytes, options.streams, horizon, options.time_limit_s, options.workers,
                              options.seed, hint, progress)
         schedule, status = result.schedule, result.status
-        if schedule is None or (hint is not None and hint.makespan(p) < schedule.makespan(p)):
+        if schedule is None or (hint is not None and _cost(p, hint) < _cost(p, schedule)):
             if hint is None:
                 raise _cap_too_small(p, cap_bytes, options, result.status)
             schedule, status = hint, f"heuristic (CP-SAT: {result.status})"
@@ -225,13 +255,18 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
     return plan
 
 
+def _cost(p: Problem, s: Schedule) -> float:
+    return s.makespan(p) + interference_ticks(p, s.decision)
+
+
 def fit_slack(p: Problem, streams: int) -> float:
     """The slack of LIST_SLACKS whose list schedule without a cap is shortest: the one heuristic.fit_cap searches
     its decisions at (GoogLeNet training b32 at 50%: 5462 us fitted at slack 1.0, 5110 us at 2.0)."""
     return min(LIST_SLACKS, key=lambda slack: (list_schedule(p, float("inf"), streams, {}, slack).makespan, slack))
 
 
-def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float) -> Schedule | None:
+def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float, max_evals: int = FIT_EVALS
+                   ) -> Schedule | None:
     """The keep/offload/recompute decisions heuristic.fit_cap finds at `slack`, once for each of COPY_MARGINS,
     list-scheduled at each of LIST_SLACKS: the shortest that fits the cap (checked again on the schedule's own
     residencies), or None. Why the margin: copies run one at a time per direction, so when a plan's offloads
@@ -240,12 +275,12 @@ def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float) -> Sc
     Decisions chosen with dearer copies offload less (there: 138 MiB instead of 187 MiB, 0.3% shorter predicted)."""
     best = None
     for margin in COPY_MARGINS:
-        fitted = fit_cap(with_copy_margin(p, margin), cap_bytes, streams, slack=slack)
+        fitted = fit_cap(with_copy_margin(p, margin), cap_bytes, streams, max_evals, slack)
         if fitted is None:
             continue
         for other in LIST_SLACKS:
             out = list_schedule(p, cap_bytes, streams, fitted.schedule.decision, other)
-            if out.fits and (best is None or out.makespan < best.makespan):
+            if out.fits and (best is None or cost(p, out) < cost(p, best)):
                 if peak_memory(p, out.schedule.decision, timed(p, out.schedule))[0] <= cap_bytes:
                     best = out
         if not fitted.schedule.decision:

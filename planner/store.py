@@ -122,10 +122,11 @@ class ProfileStore:
         if new:
             self._rewrite(lambda stored: stored.ops.update((op.signature, op) for op in new))
 
-    def set_calibration(self, mode: str, dispatch_us: float, copy_slowdown: dict[str, float]) -> None:
-        """Record the device's calibrated per-op dispatch time in one mode and copy slowdown (`planner
-        calibrate`)."""
-        self._rewrite(lambda stored: stored.device.calibrate(mode, dispatch_us, copy_slowdown))
+    def set_calibration(self, mode: str, dispatch_us: float, copy_slowdown: dict[str, float],
+                        copy_interference: float | None) -> None:
+        """Record the device's calibrated per-op dispatch time in one mode, copy slowdown and copy interference
+        (`planner calibrate`)."""
+        self._rewrite(lambda stored: stored.device.calibrate(mode, dispatch_us, copy_slowdown, copy_interference))
 
     def _rewrite(self, change: Callable[[StoreFile], None]) -> None:
         """Re-read the file under the lock, apply `change`, replace it atomically."""

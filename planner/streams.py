@@ -134,6 +134,7 @@ def build_plan(graph: Graph, p: Problem, s: Schedule, totals: Totals, streams_li
                          is_output=tu.is_output)
                for t, tu in enumerate(p.tensors)]
     totals.makespan_us = tm.makespan
+    totals.copy_interference_us = p.device.copy_interference * sum(c.end_us - c.start_us for c in copies)
     totals.peak_bytes = peak_memory(p, s.decision, tm)[0]
     totals.resident_bytes = p.resident_bytes
     totals.streams_used = compute_streams
@@ -141,7 +142,7 @@ def build_plan(graph: Graph, p: Problem, s: Schedule, totals: Totals, streams_li
     totals.offloaded_bytes = sum(p.tensors[t].bytes for t, d in s.decision.items() if d == "offload")
     totals.recomputed_bytes = sum(p.tensors[t].bytes for t, d in s.decision.items() if d == "recompute")
     totals.tick_us = p.tick_us
-    totals.gap = max(0.0, (tm.makespan - totals.lower_bound_us) / tm.makespan) if tm.makespan else 0.0
+    totals.gap = max(0.0, 1 - totals.lower_bound_us / totals.predicted_us) if totals.predicted_us else 0.0
     totals.simplifications = list(p.simplifications)
     return Plan(graph_sha256=graph.graph_sha256, model_name=graph.model_name, batch=graph.batch, dtype=graph.dtype,
                 training=graph.training, device_fingerprint=p.device.fingerprint, estimated=p.estimated,

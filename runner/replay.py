@@ -122,7 +122,7 @@ def run_plan(graph: Graph, plan: Plan, plan_file: str, device_name: str, iterati
         on_trace(replay_trace(replay, origin, nodes, plan))
     runtime_bytes = exe.runtime_bytes()
     median = statistics.median(times)
-    predicted = plan.totals.makespan_us
+    predicted = plan.totals.predicted_us
     return RunReport(
         plan_file=plan_file, model_name=graph.model_name, batch=graph.batch, dtype=graph.dtype,
         training=graph.training, device=device_name, mode="eager" if eager else "graph", iterations=iterations,

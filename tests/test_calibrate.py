@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from planner.analytic import estimate_profile
-from planner.calibrate import Calibrated, fit_dispatch_us, simulated_makespan_us
+from planner.calibrate import Calibrated, fit, fit_dispatch_us, simulated_makespan_us
 from planner.check import check_plan
 from planner.cli import app
 from planner.devices import load_device
@@ -35,7 +35,7 @@ def _report(plan, plan_file: Path, measured_us: float) -> RunReport:
     return RunReport(plan_file=str(plan_file), model_name=plan.model_name, batch=plan.batch, dtype=plan.dtype,
                      training=plan.training, device="test", mode="graph", iterations=1,
                      measured_median_us=measured_us, measured_min_us=measured_us, measured_max_us=measured_us,
-                     predicted_us=plan.totals.makespan_us, error=0.0, measured_peak_bytes=0, arena_bytes=0,
+                     predicted_us=plan.totals.predicted_us, error=0.0, measured_peak_bytes=0, arena_bytes=0,
                      persistent_bytes=0, predicted_peak_bytes=0, cap_bytes=0, d2h_bytes=0, h2d_bytes=0,
                      validated=False)
 
@@ -112,11 +112,26 @@ def test_traces_fit_the_copy_slowdown_and_solve_then_prices_every_copy_with_it(o
     device = load_model(Profile, profile_file).device
     assert device.copy_slowdown == pytest.approx({"d2h": 1.25, "h2d": 1.25}, abs=0.002)
     assert device.dispatch_us["training"] == pytest.approx(1.0, abs=0.02)
+    assert device.copy_interference == pytest.approx(0.0, abs=0.002)  # the slowdown explains the whole run
     again = solve_plan(g, load_model(Profile, profile_file), cap, Options(time_limit_s=0, recompute=False))
     assert again.totals.copy_slowdown == device.copy_slowdown
     for c in again.copies:
         assert c.end_us - c.start_us == pytest.approx(device.copy_us(c.direction, c.bytes), abs=0.2)
     assert check_plan(again).ok
+
+
+def test_the_fit_recovers_the_copy_interference_from_runs_with_and_without_copies(solved, offloading):
+    """The dispatch time comes from the run without copies; what the replay leaves unexplained in the run with
+    copies, per microsecond of copy, is the interference."""
+    plain, copying = solved[2], offloading[3]
+    copy_us = sum(c.end_us - c.start_us for c in copying.copies)
+    runs = [Calibrated("plain", plain, simulated_makespan_us(plain, 2.0)),
+            Calibrated("copying", copying, simulated_makespan_us(copying, 2.0) + 0.08 * copy_us)]
+    dispatch, interference = fit(runs)
+    assert dispatch == pytest.approx(2.0, abs=0.02) and interference == pytest.approx(0.08, abs=0.002)
+    assert all(r.fitted_us == pytest.approx(r.measured_us, rel=2e-3) for r in runs)
+    runs[1].measured_us = simulated_makespan_us(copying, 2.0) - 0.05 * copy_us  # copies never speed compute up
+    assert fit(runs)[1] == 0.0
 
 
 def test_a_trace_without_the_plans_copies_is_refused(offloading, tmp_path):

@@ -384,6 +384,40 @@ def test_a_copy_margin_lengthens_every_copy_and_leaves_the_problem_alone(googlen
     assert with_copy_margin(p, 1.0) is p
 
 
+def test_copy_interference_prices_offloads_and_the_plan_predicts_it(googlenet_train_b1):
+    """With copies dear in compute time the heuristic offloads less; the plan's prediction adds the interference
+    to the replayed makespan, which the independent check still matches."""
+    g = googlenet_train_b1
+    prof = estimate_profile(g, H100)
+    resident = build_problem(g, prof).resident_bytes
+    cap = resident + int((serial_peak_bytes(g) - resident) * 0.8)
+    plans = {}
+    for interference in (0.0, 1.0):  # a copy of the device: H100 is shared by every test
+        priced = prof.model_copy(update={"device": prof.device.model_copy(update={"copy_interference": interference})})
+        plans[interference] = solve_plan(g, priced, cap, Options(time_limit_s=0))
+    free, dear = plans[0.0], plans[1.0]
+    assert free.totals.offloaded_bytes > dear.totals.offloaded_bytes
+    assert free.totals.copy_interference_us == 0.0 and free.totals.predicted_us == free.totals.makespan_us
+    copy_us = sum(c.end_us - c.start_us for c in dear.copies)
+    assert dear.totals.copy_interference_us == pytest.approx(copy_us)
+    assert dear.totals.predicted_us == pytest.approx(dear.totals.makespan_us + copy_us)
+    assert check_plan(dear).ok and device_bytes(g, dear) <= cap
+
+
+def test_the_first_valid_plan_is_handed_on_before_the_search_ends(googlenet_train_b1):
+    g = googlenet_train_b1
+    prof = estimate_profile(g, H100)
+    resident = build_problem(g, prof).resident_bytes
+    cap = resident + int((serial_peak_bytes(g) - resident) * 0.8)
+    firsts = []
+    plan = solve_plan(g, prof, cap, Options(time_limit_s=0, concat="copy"), on_plan=firsts.append)
+    assert len(firsts) == 1
+    first = firsts[0]
+    assert check_plan(first).ok and device_bytes(g, first) <= cap and first.totals.mem_cap_bytes == cap
+    assert 0 < first.totals.first_plan_s == plan.totals.first_plan_s
+    assert plan.totals.predicted_us <= first.totals.predicted_us
+
+
 def test_only_forward_tensors_are_offloaded_or_recomputed(googlenet_train_b1):
     p = build_problem(googlenet_train_b1, estimate_profile(googlenet_train_b1, H100))
     choosable = [t for t in p.tensors if t.choosable]
