@@ -5,11 +5,13 @@ fused, cuDNN can apply bias, residual and activation in the conv kernel's epilog
 unfused way as candidates of the same op (any conv plan followed by one epilogue kernel), so the profile and the
 solver choose between them. Training graphs are left alone: there BatchNormalization sits between Conv and ReLU.
 
-A channel Concat of conv_fused outputs that only it reads may also cost no copy: each conv writes its output
-straight into its channel slice of the Concat's output (cuDNN takes an NHWC output whose pixel stride is the
-Concat's channel count), and the Concat becomes the view `concat_view`. Whether that pays is measured (on H100
-most cuDNN engines then wrap the conv in slice-copy kernels), so solve decides (all candidate Concats or none)
-and the plan lists the ones it made views (`Plan.concat_views`).
+A channel Concat may also cost no copy: each producer writes its output straight into its channel slice of the
+Concat's output, and the Concat becomes the view `concat_view`. At inference the producers are conv_fused ops
+that only the Concat reads (cuDNN takes an NHWC output whose pixel stride is the Concat's channel count); in
+training they are ReLUs that the Concat and their own backward read, and the Concat's backward `slice`s become
+`slice_view`s of its gradient, so each `relu_bwd` reads both operands in place too. Whether that pays is measured
+(on H100 most cuDNN engines wrap a strided conv in slice-copy kernels), so solve decides (all candidate Concats or
+none) and the plan lists the ones it made views (`Plan.concat_views`).
 """
 
 from __future__ import annotations
@@ -75,9 +77,39 @@ def fuse_conv_epilogues(graph: Graph) -> Graph:
     return graph
 
 
+def _grad_slices(graph: Graph, concat: Node) -> dict[str, Node]:
+    """Input -> the backward `slice` of the Concat's gradient that is its gradient (training graphs)."""
+    starts = itertools.accumulate((graph.tensors[x].shape[1] for x in concat.inputs), initial=0)
+    by_start = dict(zip(starts, concat.inputs))
+    return {by_start[n.attrs["start"]]: n for n in graph.nodes
+            if n.kind == "slice" and n.forward_of == concat.name and n.attrs["start"] in by_start}
+
+
+def _writes_in_place(graph: Graph, concat: Node, x: str, grads: dict[str, Node]) -> bool:
+    """Whether `x`'s producer can write it as a channel slice of the Concat's output, and its other readers read
+    it there: a conv_fused read by nothing else, or a ReLU read besides only by its relu_bwd, whose gradient
+    operand is then the slice_view of the Concat's gradient (so both of its inputs have the same pitch)."""
+    producer = graph.node_by_name.get(graph.tensors[x].producer or "")
+    if producer is None or x in graph.outputs:
+        return False
+    if producer.kind == "conv_fused":
+        return _only_consumer(graph, x, "concat") is concat
+    readers = [graph.node_by_name[c] for c in graph.tensors[x].consumers if c != concat.name]
+    if producer.kind != "relu" or not all(r.kind == "relu_bwd" and r.inputs[0] == x for r in readers):
+        return False
+    if not readers:
+        return True
+    grad = grads.get(x)
+    if grad is None or len(readers) != 1 or [readers[0].name] != graph.tensors[grad.outputs[0]].consumers:
+        return False
+    dy = graph.tensors[grad.inputs[0]]
+    return readers[0].inputs[1] == grad.outputs[0] and graph.tensors[graph.storage_of(grad.inputs[0])].shape == dy.shape
+
+
 def concat_view_candidates(graph: Graph) -> list[str]:
-    """Concats along channels (4-D, axis 1) whose inputs are distinct conv_fused outputs read by nothing else,
-    each starting on a 16-byte boundary (cuDNN assumes aligned tensors): those that can be concat_views."""
+    """Concats along channels (4-D, axis 1) whose inputs are distinct tensors their producers can write in place
+    (`_writes_in_place`), each starting on a 16-byte boundary (cuDNN and the 16-byte pointwise kernels assume
+    aligned tensors): those that can be concat_views."""
     names = []
     for node in graph.nodes:
         y = graph.tensors[node.outputs[0]]
@@ -85,9 +117,8 @@ def concat_view_candidates(graph: Graph) -> list[str]:
             continue
         if len(set(node.inputs)) != len(node.inputs):
             continue
-        producers = [graph.node_by_name.get(graph.tensors[x].producer or "") for x in node.inputs]
-        if not all(p is not None and p.kind == "conv_fused" and _only_consumer(graph, x, "concat") is node
-                   for p, x in zip(producers, node.inputs)):
+        grads = _grad_slices(graph, node)
+        if not all(_writes_in_place(graph, node, x, grads) for x in node.inputs):
             continue
         starts = itertools.accumulate((graph.tensors[x].shape[1] for x in node.inputs), initial=0)
         if all(c * ITEMSIZE[y.dtype] % SLICE_ALIGN_BYTES == 0 for c in starts):
@@ -97,8 +128,9 @@ def concat_view_candidates(graph: Graph) -> list[str]:
 
 def with_concat_views(graph: Graph, names: list[str]) -> Graph:
     """A copy of the graph in which the named concats are concat_views: input i is `alias_of` the output at
-    `channel_offset`, and its conv_fused carries `concat_channels`, so the profile measures it writing with that
-    pixel stride. The graph itself when `names` is empty."""
+    `channel_offset`, and its producer (and a ReLU's backward) carries `concat_channels`, so the profile measures
+    it writing (reading) with that pixel stride; in training the Concat's gradient slices become slice_views. The
+    graph itself when `names` is empty."""
     if not names:
         return graph
     unknown = set(names) - set(concat_view_candidates(graph))
@@ -108,18 +140,26 @@ def with_concat_views(graph: Graph, names: list[str]) -> Graph:
     graph = graph.model_copy(deep=True)
     for name in names:
         node = graph.node_by_name[name]
-        y, offset = graph.tensors[node.outputs[0]], 0
+        y, offset, grads = graph.tensors[node.outputs[0]], 0, _grad_slices(graph, node)
         node.kind, node.attrs = "concat_view", {}
         for x in node.inputs:
             producer = graph.node_by_name[graph.tensors[x].producer]
+            readers = [graph.node_by_name[c] for c in graph.tensors[x].consumers if c != name]
             graph.tensors[x].alias_of, graph.tensors[x].channel_offset = node.outputs[0], offset
-            producer.attrs = dict(producer.attrs, concat_channels=y.shape[1])
+            for n in [producer, *readers]:
+                n.attrs = dict(n.attrs, concat_channels=y.shape[1])
+            if x in grads:
+                grad = grads[x]
+                grad.kind = "slice_view"
+                dx = graph.tensors[grad.outputs[0]]
+                dx.alias_of, dx.channel_offset = grad.inputs[0], offset
             offset += graph.tensors[x].shape[1]
     return finalize(graph)
 
 
 def concat_view_nodes(graph: Graph) -> list[Node]:
-    """The conv_fused nodes as they would be with every candidate concat a view: the profile measures them
-    beside the graph's own, so solve can weigh writing in place (no concat copy, a strided conv) against not."""
+    """The nodes that read or write a channel slice when every candidate concat is a view (strided convs, ReLUs
+    and ReLU backwards): the profile measures them beside the graph's own, so solve can weigh writing in place
+    (no concat copy, strided kernels) against not."""
     viewed = with_concat_views(graph, concat_view_candidates(graph))
-    return [n for n in viewed.nodes if n.kind == "conv_fused" and "concat_channels" in n.attrs]
+    return [n for n in viewed.nodes if "concat_channels" in n.attrs]

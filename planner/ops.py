@@ -80,7 +80,8 @@ _k("bn_apply", "[x, scale, bias, saved_mean, saved_invstd, z?] -> [y]: relu?(sca
    "+ bias + z): a training BatchNormalization (with the Add (attr residual) and ReLU (attr relu) after it) "
    "recomputed in the backward pass from the statistics its forward pass saved; made by "
    "ir.recompute_nodes, never imported", flops=lambda i, o, a: (4 + a.get("residual", 0) + a.get("relu", 0)) * _numel(o[0]))
-_k("relu", "[x] -> [y]: max(x, 0)", recomputable=True)
+_k("relu", "[x] -> [y]: max(x, 0); attr concat_channels (optional): y is a channel slice of a concat_view's output "
+   "with that many channels", recomputable=True)
 _k("clip", "[x] -> [y]: min(max(x, min), max) (ReLU6); attrs min, max", recomputable=True)
 _k("sigmoid", "[x] -> [y]: 1 / (1 + exp(-x))", recomputable=True)
 _k("add", "[a, b] -> [y]: a + b with numpy broadcasting", recomputable=True)
@@ -115,7 +116,8 @@ _k("reduce_to_shape", "[dy] -> [dx]: sum of dy over broadcast axes down to attr 
    flops=lambda i, o, a: _numel(i[0]))
 _k("batchnorm_bwd", "[x, dy, scale, saved_mean, saved_invstd] -> [dx, dscale, dbias]: backward through batch statistics", phase="backward",
    flops=lambda i, o, a: 8 * _numel(i[0]))
-_k("relu_bwd", "[y, dy] -> [dx]: dy * (y > 0)", phase="backward")
+_k("relu_bwd", "[y, dy] -> [dx]: dy * (y > 0); attr concat_channels (optional): y and dy are channel slices of a "
+   "concat_view's output and of its gradient, with that many channels", phase="backward")
 _k("clip_bwd", "[x, dy] -> [dx]: dy * (min < x < max); attrs min, max", phase="backward")
 _k("sigmoid_bwd", "[y, dy] -> [dx]: dy * y * (1 - y)", phase="backward")
 _k("maxpool_bwd", "[x, dy] -> [dx]: routes each dy to the first maximum of its window of x; attrs as maxpool", phase="backward",
@@ -125,6 +127,9 @@ _k("avgpool_bwd", "[dy] -> [dx]: spreads dy over each window as avgpool weighted
 _k("globalavgpool_bwd", "[dy] -> [dx]: broadcast(dy) / (H*W); attr x_shape", phase="backward", flops=lambda i, o, a: _numel(o[0]))
 _k("slice", "[dy] -> [dx]: slice [start, end) of dy along attr axis (gradient of concat)", phase="backward",
    flops=lambda i, o, a: _numel(o[0]))
+_k("slice_view", "[dy] -> [dx]: a slice's channels [start, end) of dy (attrs as slice) read in place (dx alias_of dy, "
+   "with channel_offset): no kernel; the gradient of a concat_view, made by fuse.with_concat_views", phase="backward",
+   view=True, flops=lambda i, o, a: 0)
 _k("dropout_bwd", "[dy, mask] -> [dx]: dy * mask / (1 - ratio); attr ratio", phase="backward")
 _k("softmax_bwd", "[y, dy] -> [dx]: y * (dy - sum(dy * y, axis)); attr axis", phase="backward", flops=lambda i, o, a: 4 * _numel(i[0]))
 _k("lrn_bwd", "[x, dy] -> [dx]: gradient of LRN; attrs as lrn", phase="backward",

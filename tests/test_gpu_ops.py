@@ -282,6 +282,57 @@ def test_fused_conv_writes_its_channel_slice_of_a_concat(gpu_ctx, dtype):
         assert bool((outside == 7).all()), name
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("channels,offset,pitch", [(64, 16, 96), (20, 8, 36)], ids=["vector", "scalar"])
+def test_relu_and_its_backward_work_in_place_on_channel_slices(gpu_ctx, dtype, channels, offset, pitch):
+    """Training concat_views: relu with concat_channels writes exactly its channel slice of a wider NHWC buffer,
+    and relu_bwd reads y and dy from such slices (16-byte vectors where channels and pitch allow, else one
+    element a thread), eagerly and from a captured graph."""
+    from runner.ops import OPS
+    from runner.ops.common import NUMPY_DTYPE, device_empty, spec, to_device
+
+    cp, handle, stream = gpu_ctx
+    rng = np.random.default_rng(0)
+    shape, attrs = (2, channels, 5, 3), {"concat_channels": pitch}
+    packed, wide = spec(shape, dtype), spec(shape, dtype, pitch)
+
+    def sliced(host=None, fill=7.0):
+        whole = cp.full((shape[0], shape[2], shape[3], pitch), fill, NUMPY_DTYPE[dtype])
+        view = whole[..., offset:offset + channels].transpose(0, 3, 1, 2)
+        if host is not None:
+            view[...] = cp.asarray(host.astype(NUMPY_DTYPE[dtype]))
+        return whole, view
+
+    x, dy = rng.standard_normal(shape), rng.standard_normal(shape)
+    y_want = REFERENCE["relu"]([x.astype(NUMPY_DTYPE[dtype]).astype(np.float64)], {})[0]
+    whole_y, y = sliced()
+    whole_yin, y_in = sliced(y_want)
+    _, dy_in = sliced(dy)
+    dx_want = REFERENCE["relu_bwd"]([y_want, dy.astype(NUMPY_DTYPE[dtype]).astype(np.float64)], {})[0]
+    dx = device_empty(packed)
+    cases = [(OPS["relu"](attrs, [packed], [wide], handle), [to_device(x, packed)], y, y_want),
+             (OPS["relu_bwd"](attrs, [wide, wide], [packed], handle), [y_in, dy_in], dx, dx_want)]
+    for op, inputs, out, want in cases:
+        with stream:
+            for mode in ("eager", "graph"):
+                whole_y.fill(7)
+                dx.fill(np.nan)
+                if mode == "eager":
+                    op.launch(0, inputs, [out], None)
+                else:
+                    stream.begin_capture()
+                    try:
+                        op.launch(0, inputs, [out], None)
+                    finally:
+                        graph = stream.end_capture()
+                    graph.launch(stream)
+                stream.synchronize()
+                _check([out], [want], [packed], dtype, (mode, channels))
+    outside = cp.concatenate([whole_y[..., :offset].ravel(), whole_y[..., offset + channels:].ravel()])
+    assert bool((outside == 7).all())
+
+
 def _small_training_model(tmp_path: Path) -> Path:
     """Conv/BN/ReLU stem, ceil-mode max pool, a residual Add, a ReLU6 branch, LRN, average pool, an SE-style
     Sigmoid/Mul, channel Concat, global pool, Flatten, Dropout and a biased Gemm."""

@@ -108,7 +108,8 @@ def test_every_recomputation_and_offload_at_once_validates(tmp_path):
 
 
 def _inception_model(tmp_path):
-    """x -> two biased Conv+ReLU branches (1x1: 16 channels, 3x3: 32) -> channel Concat -> 1x1 Conv."""
+    """x -> two biased Conv+ReLU branches (1x1: 16 channels, 3x3: 32) -> channel Concat -> 1x1 Conv -> global
+    average pool -> Flatten: [N, 8] logits, so it also trains."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -119,7 +120,8 @@ def _inception_model(tmp_path):
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"]), helper.make_node("Relu", ["c1"], ["r1"]),
              helper.make_node("Conv", ["x", "w3", "b3"], ["c3"], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c3"], ["r3"]), helper.make_node("Concat", ["r1", "r3"], ["cat"], axis=1),
-             helper.make_node("Conv", ["cat", "wo"], ["y"])]
+             helper.make_node("Conv", ["cat", "wo"], ["o"]), helper.make_node("GlobalAveragePool", ["o"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["y"])]
     g = helper.make_graph(nodes, "inception", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8, 12, 12])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
     path = tmp_path / "inception.onnx"
@@ -127,13 +129,16 @@ def _inception_model(tmp_path):
     return path
 
 
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("concat", ["view", "copy"])
-def test_a_concat_its_convs_write_in_place_runs_and_validates(tmp_path, concat):
-    """The profile measures the branch convs both ways; a plan with the Concat as a view (each conv writing its
+def test_a_concat_its_producers_write_in_place_runs_and_validates(tmp_path, concat, train):
+    """The profile measures the branches' producers both ways (inference: the convs; training: the ReLUs and
+    their backward, reading the gradient's slices); a plan with the Concat as a view (each producer writing its
     channel slice) and one with the copy both run, validate and stay under the cap."""
     from runner.profiler import measure_ops, probe_device
 
-    graph = import_onnx(_inception_model(tmp_path), batch=4, dtype="fp16")
+    graph = import_onnx(_inception_model(tmp_path), batch=4, dtype="fp16", training=train)
+    graph = build_training(graph) if train else graph
     device = probe_device()
     store = ProfileStore(tmp_path / "store", device)
     profile, _ = profile_graph(graph, store, lambda nodes: measure_ops(graph, nodes, device))

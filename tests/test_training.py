@@ -188,3 +188,51 @@ def test_gradients_match_central_differences(tmp_path, make):
         eps = 1e-6
         numeric = (loss_at(w, direction, eps) - loss_at(w, direction, -eps)) / (2 * eps)
         assert abs(analytic - numeric) <= 1e-5 * max(abs(numeric), 1e-3), (w, analytic, numeric)
+
+
+def _aligned_inception_block(rng, inits):
+    """Branches of 4, 8 and 4 channels: every channel slice of the Concat starts on a 16-byte boundary in fp32."""
+    return [
+        _conv("stem", "x", 3, 6, 3, rng, inits), helper.make_node("Relu", ["stem"], ["s"]),
+        _conv("b1", "s", 6, 4, 1, rng, inits), _bn("n1", "b1", 4, inits), helper.make_node("Relu", ["n1"], ["r1"]),
+        _conv("b2", "s", 6, 8, 3, rng, inits), _bn("n2", "b2", 8, inits), helper.make_node("Relu", ["n2"], ["r2"]),
+        helper.make_node("MaxPool", ["s"], ["p3"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[1, 1]),
+        _conv("b3", "p3", 6, 4, 1, rng, inits), _bn("n3", "b3", 4, inits), helper.make_node("Relu", ["n3"], ["r3"]),
+        helper.make_node("Concat", ["r1", "r2", "r3"], ["cat"], axis=1),
+    ], "cat", 16
+
+
+def test_training_concats_become_views_with_slice_view_gradients(tmp_path):
+    """In training a Concat of ReLUs can cost no copy: each ReLU writes its channel slice, each relu_bwd reads y
+    and dy in place, and the Concat's gradient slices become slice_views; the iteration computes the same loss,
+    gradients and updates, and solve's plan with the view passes the independent check; its baseline is the
+    framework's serial run, which copies."""
+    from planner import reference
+    from planner.analytic import estimate_profile
+    from planner.check import check_plan
+    from planner.devices import load_device
+    from planner.fuse import concat_view_candidates, with_concat_views
+    from planner.solve import Options, solve_plan
+
+    g = build_training(import_onnx(_block_model(tmp_path, _aligned_inception_block), batch=2, training=True))
+    names = concat_view_candidates(g)
+    assert names == [n.name for n in g.nodes if n.kind == "concat"]
+    v = with_concat_views(g, names)
+    slices = [n for n in v.nodes if n.kind == "slice_view"]
+    assert len(slices) == 3 and not any(n.kind in ("concat", "slice") for n in v.nodes)
+    assert sorted(v.tensors[n.outputs[0]].channel_offset for n in slices) == [0, 4, 12]
+    assert all(n.attrs["concat_channels"] == 16 for n in v.nodes if n.kind in ("relu", "relu_bwd")
+               and v.tensors[(n.outputs if n.kind == "relu" else n.inputs)[0]].alias_of == "cat")
+    values = {**reference.random_parameters(g, seed=1), **reference.random_inputs(g, seed=2)}
+    copied, viewed = reference.run(g, dict(values)), reference.run(v, dict(values))
+    assert copied.keys() == viewed.keys()
+    assert all(np.array_equal(copied[k], viewed[k]) for k in copied)
+
+    profile = estimate_profile(g, load_device("h100"))
+    plan = solve_plan(g, profile, profile.device.memory_bytes, Options(time_limit_s=0, concat="view"))
+    assert plan.concat_views == names and check_plan(plan).violations == []
+    serial = solve_plan(g, profile, profile.device.memory_bytes, Options(baseline=True))  # a framework's: copies
+    assert (plan.totals.baseline_makespan_us, plan.totals.baseline_peak_bytes) == \
+        (serial.totals.makespan_us, serial.totals.baseline_peak_bytes)
+    cat = next(r for r in plan.tensors if r.tensor == "cat")
+    assert cat.decision == "keep"

@@ -48,6 +48,7 @@ KERNELS = {
     "concat": lambda ins, a: [np.concatenate(ins, axis=a["axis"])],
     "concat_view": lambda ins, a: [np.concatenate(ins, axis=1)],
     "slice": slice_,
+    "slice_view": slice_,
     "reshape": lambda ins, a: [ins[0].reshape(a["shape"])],
     "dropout": dropout,
     "dropout_bwd": lambda ins, a: [ins[0] * ins[1] / (1 - a["ratio"])],

@@ -12,6 +12,8 @@ Views (reshape) have no kernel and no entry. One file per op family; every 4-D t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from planner.ops import KINDS
@@ -33,12 +35,22 @@ def specs_of(graph, names: list[str]) -> list[TensorSpec]:
     return [spec(graph.tensors[t].shape, graph.tensors[t].dtype) for t in names]
 
 
+# the operands a node with `concat_channels` reads or writes as channel slices of a concat_view's output (or of
+# its gradient): (input indices, output indices)
+SLICED_OPERANDS = {"conv_fused": ((), (0,)), "relu": ((), (0,)), "relu_bwd": ((0, 1), ())}
+
+
 def node_specs(graph, node) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """A node's input and output specs; a conv_fused with `concat_channels` writes a channel slice of a tensor
-    that wide, whether `graph` has its concat as a concat_view (a plan) or not (the profiler measuring it)."""
-    outs = [spec(graph.tensors[t].shape, graph.tensors[t].dtype, node.attrs.get("concat_channels"))
-            for t in node.outputs]
-    return specs_of(graph, node.inputs), outs
+    """A node's input and output specs; a node with `concat_channels` reads or writes channel slices of a tensor
+    that wide (SLICED_OPERANDS), whether `graph` has its concat as a concat_view (a plan) or not (the profiler
+    measuring it)."""
+    ins, outs = specs_of(graph, node.inputs), specs_of(graph, node.outputs)
+    pitch = node.attrs.get("concat_channels")
+    if pitch is not None:
+        sliced_ins, sliced_outs = SLICED_OPERANDS[node.kind]
+        ins = [replace(s, row_channels=pitch) if i in sliced_ins else s for i, s in enumerate(ins)]
+        outs = [replace(s, row_channels=pitch) if i in sliced_outs else s for i, s in enumerate(outs)]
+    return ins, outs
 
 
 def build_op(graph, node, handle, algorithm: str | None = None):

@@ -15,7 +15,7 @@ import numpy as np
 
 from runner.ops.common import (
     NUMPY_DTYPE, SingleKernelOp, TensorSpec, blocks_for, broadcast_view, check_index_range, f32, i32, kernel,
-    launch_1d, launch_flat, logical_strides, physical, physical_axis,
+    launch_1d, launch_flat, logical_strides, physical, physical_axis, vector_width,
 )
 from runner.ops.reduce import Reduction
 
@@ -25,6 +25,33 @@ extern "C" __global__ void relu_fwd(const T* x, T* y, int n, int nv) {
 }
 extern "C" __global__ void relu_bwd(const T* y, const T* dy, T* dx, int n, int nv) {
     map_flat<2>(y, dy, dx, n, nv, [](float v, float g) { return v > 0.f ? g : 0.f; });
+}
+// map_flat over channel slices of wider NHWC buffers (a concat_view's output, its gradient): element i is channel
+// i % c of pixel i / c, and each operand's pixels are its own pitch (pa, pb, py) apart; VEC a thread when c and
+// every pitch are multiples of VEC
+template <int K, class F> __device__ __forceinline__ void map_rows(const T* a, const T* b, T* y, int n, int nv,
+                                                                   int c, int pa, int pb, int py, F f) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+    for (int j = t; j < nv; j += stride) {
+        int r = j * VEC / c, k = j * VEC - r * c;
+        float u[VEC], v[VEC] = {};
+        ldv<VEC>(a, (long long)r * pa + k, u);
+        if (K == 2) ldv<VEC>(b, (long long)r * pb + k, v);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) u[e] = f(u[e], v[e]);
+        stv<VEC>(y, (long long)r * py + k, u);
+    }
+    for (int i = nv * VEC + t; i < n; i += stride) {
+        int r = i / c, k = i - r * c;
+        st(y, (long long)r * py + k, f(ld(a, (long long)r * pa + k), K == 2 ? ld(b, (long long)r * pb + k) : 0.f));
+    }
+}
+extern "C" __global__ void relu_fwd_rows(const T* x, T* y, int n, int nv, int c, int px, int py) {
+    map_rows<1>(x, x, y, n, nv, c, px, px, py, [](float v, float) { return v > 0.f ? v : 0.f; });
+}
+extern "C" __global__ void relu_bwd_rows(const T* y, const T* dy, T* dx, int n, int nv, int c, int py, int pdy,
+                                         int pdx) {
+    map_rows<2>(y, dy, dx, n, nv, c, py, pdy, pdx, [](float v, float g) { return v > 0.f ? g : 0.f; });
 }
 extern "C" __global__ void clip_fwd(const T* x, T* y, int n, int nv, float lo, float hi) {
     map_flat<1>(x, x, y, n, nv, [=](float v, float) { return fminf(fmaxf(v, lo), hi); });
@@ -134,6 +161,40 @@ class Pointwise(SingleKernelOp):
             launch_flat(fn, self.n, self.dtype, [*inputs, *outputs], *self.params)
         else:
             launch_1d(fn, self.n, *inputs, *outputs, i32(self.n), *self.params)
+
+
+class SlicedPointwise(SingleKernelOp):
+    """relu / relu_bwd on channel slices (`TensorSpec.row_channels`) of wider NHWC buffers: a `map_rows` kernel
+    (inputs..., outputs..., n, nv, c, pitch of each operand)."""
+
+    name = "cupy_elementwise"
+
+    def __init__(self, kernel_name: str, operands: list[TensorSpec]):
+        check_index_range(*operands)
+        self.kernel_name, self.dtype, self.n = kernel_name, operands[-1].dtype, operands[-1].numel
+        self.channels = operands[-1].shape[1]
+        self.pitches = [s.row_channels or s.shape[1] for s in operands]
+
+    def run(self, inputs, outputs, workspace):
+        arrays = [*inputs, *outputs]
+        width = vector_width(self.dtype, *arrays)
+        if any(v % width for v in (self.channels, *self.pitches)):
+            width = 1
+        nv = self.n // width if width > 1 else 0
+        launch_1d(kernel(SRC, self.kernel_name, self.dtype), max(nv, self.n - nv * width), *arrays, i32(self.n),
+                  i32(nv), i32(self.channels), *(i32(p) for p in self.pitches))
+
+
+def _relu(attrs, ins, outs, handle):
+    if "concat_channels" in attrs:
+        return SlicedPointwise("relu_fwd_rows", [ins[0], outs[0]])
+    return Pointwise("relu_fwd", outs[0])
+
+
+def _relu_bwd(attrs, ins, outs, handle):
+    if "concat_channels" in attrs:
+        return SlicedPointwise("relu_bwd_rows", [ins[0], ins[1], outs[0]])
+    return Pointwise("relu_bwd", outs[0])
 
 
 class Binary(SingleKernelOp):
@@ -279,8 +340,8 @@ def _clip_params(attrs):
 
 
 OPS = {
-    "relu": lambda a, i, o, h: Pointwise("relu_fwd", o[0]),
-    "relu_bwd": lambda a, i, o, h: Pointwise("relu_bwd", o[0]),
+    "relu": _relu,
+    "relu_bwd": _relu_bwd,
     "clip": lambda a, i, o, h: Pointwise("clip_fwd", o[0], _clip_params(a)),
     "clip_bwd": lambda a, i, o, h: Pointwise("clip_bwd", o[0], _clip_params(a)),
     "sigmoid": lambda a, i, o, h: Pointwise("sigmoid_fwd", o[0]),
