@@ -40,6 +40,10 @@ class Vars:
 
 
 def new_variables(m: cp_model.CpModel, p: Problem, horizon: int) -> Vars:
+    """Per op a start, an end and one optional fixed-size interval per alternative on that start, the end tied by
+    an equality enforced by the alternative's literal (intervals sharing a start and an end variable made OR-Tools
+    9.15 abort or answer INFEASIBLE on feasible models: test_solver); per choosable tensor its decision literals
+    and copy or recomputation intervals."""
     v = Vars()
     for i, op in enumerate(p.ops):
         v.start.append(m.new_int_var(0, horizon, f"start{i}"))
@@ -48,7 +52,8 @@ def new_variables(m: cp_model.CpModel, p: Problem, horizon: int) -> Vars:
         for a, alt in enumerate(op.alternatives):
             lit = m.new_constant(1) if len(op.alternatives) == 1 else m.new_bool_var(f"x{i}_{a}")
             lits.append(lit)
-            runs.append(m.new_optional_interval_var(v.start[i], alt.duration, v.end[i], lit, f"run{i}_{a}"))
+            runs.append(m.new_optional_fixed_size_interval_var(v.start[i], alt.duration, lit, f"run{i}_{a}"))
+            m.add(v.end[i] == v.start[i] + alt.duration).only_enforce_if(lit)
         v.present.append(lits)
         v.runs.append(runs)
     for t, tu in enumerate(p.tensors):

@@ -12,12 +12,13 @@ from dataclasses import dataclass, replace
 from typing import Callable, Literal
 
 from planner.files import PlannerError
+from planner.bounds import lower_bounds_us, memory_lower_bound
 from planner.fuse import concat_view_candidates, concat_view_nodes, with_concat_views
 from planner.memsize import fmt_bytes
 from planner.heuristic import baseline, cost, fit_cap, interference_ticks, list_schedule
 from planner.ir import Graph
 from planner.plan import Plan, Totals
-from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Problem, build_problem
+from planner.problem import Problem, build_problem
 from planner.profile import Profile
 from planner.schedule import Schedule, peak_memory, timed
 from planner.streams import build_plan
@@ -62,31 +63,6 @@ class Options:
     dram: bool = False  # DRAM bandwidth as a second cumulative beside the SM share
     baseline: bool = False  # emit the framework-style plan instead: serial, fastest algorithm, everything kept
     concat: Literal["auto", "view", "copy"] = "auto"  # concats written in place by their producers (see solve_plan)
-
-
-def lower_bounds_us(p: Problem, streams: int) -> dict[str, float]:
-    """Bounds every schedule obeys: the longest dependency chain at each op's fastest time; total SM work
-    (time x sm_fraction) over the whole GPU, and DRAM work likewise; total time over the number of streams."""
-    fastest = [min(a.time_us for a in o.alternatives) for o in p.ops]
-    finish = [0.0] * len(p.ops)
-    for i, o in enumerate(p.ops):
-        finish[i] = max((finish[j] for j in o.preds), default=0.0) + fastest[i]
-    work = sum(min(a.time_us * a.sm_demand / SM_CAPACITY for a in o.alternatives) for o in p.ops)
-    dram = sum(min(a.time_us * a.dram_demand / DRAM_CAPACITY for a in o.alternatives) for o in p.ops)
-    return {"critical_path": max(finish, default=0.0), "sm_work": work, **({"dram_work": dram} if dram else {}),
-            "streams": sum(fastest) / streams}
-
-
-def memory_lower_bound(p: Problem) -> tuple[int, str]:
-    """(bytes, op): the resident bytes plus, for the op that needs most, the tensors it reads and writes and
-    its leanest workspace; these must all be on the device while it runs, in any schedule."""
-    best, where = p.resident_bytes, ""
-    for o in p.ops:
-        need = p.resident_bytes + sum(p.tensors[t].bytes for t in set(o.reads) | set(o.writes))
-        need += min(a.workspace_bytes for a in o.alternatives)
-        if need > best:
-            best, where = need, o.name
-    return best, where
 
 
 def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options = Options(),

@@ -15,11 +15,14 @@ pytestmark = pytest.mark.gpu
 
 
 def _inception(tmp_path: Path) -> Path:
+    """An inception block (1x1, 3x3, 5x5 and pooled branches of Conv+ReLU, channel Concat), global pool and a
+    Gemm: [N, 10] logits, so it also trains. He-scaled weights keep activations O(1) for validated runs."""
     rng = np.random.default_rng(0)
     inits, nodes = [], []
 
     def conv(name, x, cin, cout, k):
-        inits.append(numpy_helper.from_array(rng.standard_normal((cout, cin, k, k)).astype(np.float32), name + ".w"))
+        w = rng.standard_normal((cout, cin, k, k)) * np.sqrt(2.0 / (cin * k * k))
+        inits.append(numpy_helper.from_array(w.astype(np.float32), name + ".w"))
         nodes.append(helper.make_node("Conv", [x, name + ".w"], [name], pads=[k // 2] * 4))
         nodes.append(helper.make_node("Relu", [name], [name + ".r"]))
         return name + ".r"

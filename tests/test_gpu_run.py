@@ -12,6 +12,7 @@ from planner.store import ProfileStore, profile_graph
 from planner.training import build_training
 from runner.arena import DRIVER_PAGE_BYTES
 from test_gpu_ops import _small_training_model
+from test_gpu_profile import _inception
 
 pytestmark = pytest.mark.gpu
 CP_SAT = importlib.util.find_spec("ortools") is not None  # without it (the GPU machine), the heuristic plans
@@ -107,28 +108,6 @@ def test_every_recomputation_and_offload_at_once_validates(tmp_path):
     _run_and_check(graph, plan, device)
 
 
-def _inception_model(tmp_path):
-    """x -> two biased Conv+ReLU branches (1x1: 16 channels, 3x3: 32) -> channel Concat -> 1x1 Conv -> global
-    average pool -> Flatten: [N, 8] logits, so it also trains."""
-    import numpy as np
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.2).astype(np.float32), n) for n, s in
-             [("w1", (16, 8, 1, 1)), ("b1", (16,)), ("w3", (32, 8, 3, 3)), ("b3", (32,)), ("wo", (8, 48, 1, 1))]]
-    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"]), helper.make_node("Relu", ["c1"], ["r1"]),
-             helper.make_node("Conv", ["x", "w3", "b3"], ["c3"], pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["c3"], ["r3"]), helper.make_node("Concat", ["r1", "r3"], ["cat"], axis=1),
-             helper.make_node("Conv", ["cat", "wo"], ["o"]), helper.make_node("GlobalAveragePool", ["o"], ["p"]),
-             helper.make_node("Flatten", ["p"], ["y"])]
-    g = helper.make_graph(nodes, "inception", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8, 12, 12])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
-    path = tmp_path / "inception.onnx"
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return path
-
-
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("concat", ["view", "copy"])
 def test_a_concat_its_producers_write_in_place_runs_and_validates(tmp_path, concat, train):
@@ -137,7 +116,7 @@ def test_a_concat_its_producers_write_in_place_runs_and_validates(tmp_path, conc
     channel slice) and one with the copy both run, validate and stay under the cap."""
     from runner.profiler import measure_ops, probe_device
 
-    graph = import_onnx(_inception_model(tmp_path), batch=4, dtype="fp16", training=train)
+    graph = import_onnx(_inception(tmp_path), batch=4, dtype="fp16", training=train)
     graph = build_training(graph) if train else graph
     device = probe_device()
     store = ProfileStore(tmp_path / "store", device)

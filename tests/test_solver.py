@@ -117,6 +117,21 @@ def test_six_ops_against_brute_force():
     assert result.schedule.makespan(p) == brute_force_makespan(p, 2)
 
 
+def test_alternatives_sharing_start_and_end_do_not_confuse_cp_sat():
+    """OR-Tools 9.15 aborted the process (`Check failed: heuristics.fixed_search != nullptr`) or answered
+    INFEASIBLE on this feasible DAG when each alternative's interval shared the op's start and end variables;
+    fixed-size intervals on the start, with the end tied by an enforced equality, solve it to the optimum."""
+    spec = [[(9, 20), (4, 95), (9, 60)], [(9, 20), (6, 5), (7, 50)], [(9, 80), (8, 1), (5, 20)],
+            [(8, 60), (1, 5), (2, 95)], [(7, 95), (6, 95), (9, 50)], [(8, 100), (8, 100), (9, 80)],
+            [(9, 80), (8, 80), (7, 60)], [(5, 1), (8, 50), (1, 20)]]
+    preds = [[], [], [0, 1], [0], [3], [0, 4], [3, 4], [4]]
+    ops = [Op(f"op{i}", "relu", "forward", [Alternative(f"a{k}", d, d, 0, sm) for k, (d, sm) in enumerate(alts)],
+              preds[i]) for i, alts in enumerate(spec)]
+    p = Problem("tiny", False, ops, [], resident_bytes=0, tick_us=1.0, device=H100, estimated=True)
+    result = solve_tiny(p, 1 << 40, 4)
+    assert result.status == "OPTIMAL" and result.schedule.makespan(p) == brute_force_makespan(p, 4) == 26
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_random_plans_pass_the_independent_check(seed):
     rng = random.Random(100 + seed)

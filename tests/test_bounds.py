@@ -1,0 +1,85 @@
+"""Makespan lower bounds (planner/bounds.py): never above the optimum, and stronger than the plain ones."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+from test_solver import H100, brute_force_makespan, random_problem
+
+from planner import solve
+from planner.bounds import Dag, head_tail_us, lower_bounds_us
+from planner.problem import Alternative, Op, Problem
+
+OLD = ("critical_path", "sm_work", "streams")  # the bounds plans reported before heads, tails and big ops
+
+
+def with_shares(p: Problem, rng: random.Random) -> Problem:
+    """The problem with SM shares drawn around the thresholds the bounds test (1-50-100 and the DFF steps)."""
+    for o in p.ops:
+        o.alternatives = [replace(a, sm_demand=rng.choice([1, 5, 20, 45, 50, 51, 60, 80, 95, 100]))
+                          for a in o.alternatives]
+    return p
+
+
+@pytest.mark.parametrize("seed", range(36))
+def test_every_bound_is_at_most_the_optimum_on_tiny_dags(seed):
+    rng = random.Random(seed)
+    p = random_problem(rng, n_ops=3 + seed % 4, n_alts=1 + seed % 3)
+    if seed % 2:
+        p = with_shares(p, rng)
+    streams = rng.choice([1, 2, 3, 4])
+    optimum = brute_force_makespan(p, streams) * p.tick_us  # tick_us 1: time_us equals the duration in ticks
+    bounds = lower_bounds_us(p, streams)
+    assert {"disjunctive", "head_tail"} <= bounds.keys()
+    for name, bound in bounds.items():
+        assert bound <= optimum + 1e-9, (name, bound, optimum)
+
+
+def op(name: str, time_us: float, sm_demand: int, preds: list[int]) -> Op:
+    return Op(name, "relu", "forward", [Alternative("a", time_us, round(time_us), 0, sm_demand)], preds)
+
+
+def tiny(ops: list[Op]) -> Problem:
+    return Problem("tiny", False, ops, [], resident_bytes=0, tick_us=1.0, device=H100, estimated=True)
+
+
+def test_a_big_op_beside_a_chain_runs_alone():
+    """A pool filling the GPU beside a two-op branch: nothing overlaps it, so 10 + 20; the old bounds say 20."""
+    p = tiny([op("pool", 10, 100, []), op("conv", 10, 40, []), op("bn", 10, 40, [1])])
+    bounds = lower_bounds_us(p, 4)
+    assert brute_force_makespan(p, 4) == 30
+    assert bounds["disjunctive"] == bounds["head_tail"] == 30
+    assert max(bounds[k] for k in OLD) == 20
+
+
+def test_heads_add_a_window_of_wide_ops_to_the_chain_before_it():
+    """x -> (y1, y2) -> z: y1 and y2 take 60% each so run one after the other, 10 + 20 + 10. Only the head of z
+    (x's end, then both y's energy counted by the DFF at 50%) sees it; the other bounds stop at 30."""
+    p = tiny([op("x", 10, 10, []), op("y1", 10, 60, [0]), op("y2", 10, 60, [0]), op("z", 10, 10, [1, 2])])
+    bounds = lower_bounds_us(p, 4)
+    assert brute_force_makespan(p, 4) == 40
+    assert bounds["head_tail"] == 40
+    assert max(v for k, v in bounds.items() if k != "head_tail") == 30
+
+
+def test_the_bounds_do_not_depend_on_the_order_of_the_ops():
+    p = random_problem(random.Random(7), n_ops=6, n_alts=2)
+    order = [5, 3, 4, 1, 2, 0]
+    where = {old: new for new, old in enumerate(order)}
+    shuffled = [replace(p.ops[old], preds=[where[u] for u in p.ops[old].preds]) for old in order]
+    assert any(u > v for v, o in enumerate(shuffled) for u in o.preds)  # not in topological order
+    assert head_tail_us(Dag.of(replace(p, ops=shuffled)), 2) == pytest.approx(head_tail_us(Dag.of(p), 2))
+
+
+def test_solve_still_offers_the_bounds_under_their_old_names():
+    assert solve.lower_bounds_us is lower_bounds_us
+    assert solve.memory_lower_bound(tiny([op("x", 1, 1, [])])) == (0, "")
+
+
+def test_without_room_for_chain_matrices_the_bound_is_weaker_but_holds(monkeypatch):
+    p = with_shares(random_problem(random.Random(3), n_ops=6, n_alts=2), random.Random(3))
+    full = head_tail_us(Dag.of(p), 2)
+    monkeypatch.setattr("planner.bounds.CHAIN_CELLS", 0)
+    assert head_tail_us(Dag.of(p), 2) <= full <= brute_force_makespan(p, 2)
