@@ -137,16 +137,25 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     slack = fit_slack(p, options.streams)
     first_s = None
 
+    built: dict[tuple[int, int], Plan] = {}  # (solver cap, id of the hint): the heuristic's plan
+
     def first(target: int, hint: Schedule) -> Plan:
         """The heuristic's plan, handed to on_plan when it is the first valid one."""
         nonlocal first_s
         plan = _solve_under(graph, p, target, base, base_peak, replace(options, time_limit_s=0), None, hint)
         plan.totals.mem_cap_bytes = cap_bytes
+        built[target, id(hint)] = plan
         if fits(plan) and first_s is None:
             first_s = plan.totals.first_plan_s = time.monotonic() - t0
             if on_plan:
                 on_plan(plan)
         return plan
+
+    def final(target: int, hint: Schedule | None) -> Plan:
+        """CP-SAT from the hint; without CP-SAT (time limit 0) the heuristic's plan, built once."""
+        if options.time_limit_s <= 0 and hint is not None and (target, id(hint)) in built:
+            return built[target, id(hint)]
+        return _solve_under(graph, p, target, base, base_peak, options, on_progress, hint, fits)
 
     def done(plan: Plan) -> Plan:
         plan.totals.first_plan_s = first_s if first_s is not None else time.monotonic() - t0
@@ -155,7 +164,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     if base_peak <= cap_bytes:  # the peak does not bind; the arena, in driver pages, may still
         hint = best_heuristic(p, cap_bytes, options.streams, slack)
         if hint is not None and fits(first(cap_bytes, hint)):
-            return done(_solve_under(graph, p, cap_bytes, base, base_peak, options, on_progress, hint, fits))
+            return done(final(cap_bytes, hint))
     target, hint = _arena_fit(graph, p, cap_bytes, cap_bytes, options.streams, slack, QUICK_EVALS)
     if hint is not None:
         first(target, hint)
@@ -164,7 +173,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
             target, hint = fuller
     else:
         target, hint = _arena_fit(graph, p, cap_bytes, cap_bytes, options.streams, slack, FIT_EVALS)
-    plan = _solve_under(graph, p, target, base, base_peak, options, on_progress, hint, fits)
+    plan = final(target, hint)
     if hint is None and not fits(plan):
         raise CapTooSmall(f"CP-SAT's plan peaks under the cap {fmt_bytes(cap_bytes)} but its arena needs "
                           f"{fmt_bytes(device_bytes(graph, plan))}; try a larger cap", device_bytes(graph, plan))

@@ -433,6 +433,15 @@ def test_the_first_valid_plan_is_handed_on_before_the_search_ends(googlenet_trai
     assert plan.totals.predicted_us <= first.totals.predicted_us
 
 
+def test_without_cp_sat_the_first_plan_is_the_plan(googlenet_train_b1):
+    """--time-limit 0: the heuristic's plan handed on first is returned as it is, not built a second time."""
+    prof = estimate_profile(googlenet_train_b1, H100)
+    firsts = []
+    plan = solve_plan(googlenet_train_b1, prof, H100.memory_bytes, Options(time_limit_s=0, concat="copy"),
+                      on_plan=firsts.append)
+    assert firsts == [plan] and firsts[0] is plan
+
+
 def test_only_forward_tensors_are_offloaded_or_recomputed(googlenet_train_b1):
     p = build_problem(googlenet_train_b1, estimate_profile(googlenet_train_b1, H100))
     choosable = [t for t in p.tensors if t.choosable]
