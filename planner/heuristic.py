@@ -296,9 +296,9 @@ def interference_ticks(p: Problem, decision: dict[int, Decision]) -> float:
                                             for t, how in decision.items() if how == "offload")
 
 
-def cost(p: Problem, out: Outcome) -> float:
-    """What the heuristic minimises: the makespan plus the copies' interference."""
-    return out.makespan + interference_ticks(p, out.schedule.decision)
+def cost(p: Problem, s: Schedule) -> float:
+    """What the heuristic and CP-SAT minimise: the makespan plus the copies' interference."""
+    return s.makespan(p) + interference_ticks(p, s.decision)
 
 
 def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slack: float = 1.0) -> Outcome | None:
@@ -336,7 +336,7 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slac
             out = run({**decision, **{t: "offload" for t in order[:mid]}})
             if out.fits:
                 hi = mid - 1
-                if best is None or cost(p, out) < cost(p, best):
+                if best is None or cost(p, out.schedule) < cost(p, best.schedule):
                     best = out
             else:
                 lo = mid + 1
@@ -355,7 +355,7 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slac
                 if how != "keep":
                     trial[t] = how
                 out = run(trial)
-                if out.fits and cost(p, out) < cost(p, best):
+                if out.fits and cost(p, out.schedule) < cost(p, best.schedule):
                     best, improved = out, True
     return best
 

@@ -15,7 +15,7 @@ from planner.files import PlannerError
 from planner.bounds import lower_bounds_us, memory_lower_bound
 from planner.fuse import concat_view_candidates, concat_view_nodes, with_concat_views
 from planner.memsize import fmt_bytes
-from planner.heuristic import baseline, cost, fit_cap, interference_ticks, list_schedule
+from planner.heuristic import baseline, cost, fit_cap, list_schedule
 from planner.ir import Graph
 from planner.plan import Plan, Totals
 from planner.problem import Problem, build_problem
@@ -169,7 +169,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     if hint is not None:
         first(target, hint)
         fuller = _arena_fit(graph, p, cap_bytes, target, options.streams, slack, FIT_EVALS)
-        if fuller[1] is not None and _cost(p, fuller[1]) <= _cost(p, hint):
+        if fuller[1] is not None and cost(p, fuller[1]) <= cost(p, hint):
             target, hint = fuller
     else:
         target, hint = _arena_fit(graph, p, cap_bytes, cap_bytes, options.streams, slack, FIT_EVALS)
@@ -233,7 +233,7 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
         result = cpsat.solve(p, cap_bytes, options.streams, horizon, options.time_limit_s, options.workers,
                              options.seed, hint, progress)
         schedule, status = result.schedule, result.status
-        if schedule is None or (hint is not None and _cost(p, hint) < _cost(p, schedule)):
+        if schedule is None or (hint is not None and cost(p, hint) < cost(p, schedule)):
             if hint is None:
                 raise _cap_too_small(p, cap_bytes, options, result.status)
             schedule, status = hint, f"heuristic (CP-SAT: {result.status})"
@@ -248,10 +248,6 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
         totals.status, totals.solver_makespan_us = f"heuristic (CP-SAT's {status} schedule packs worse)", hint.makespan(p) * tick
         plan = build_plan(graph, p, hint, totals, options.streams)
     return plan
-
-
-def _cost(p: Problem, s: Schedule) -> float:
-    return s.makespan(p) + interference_ticks(p, s.decision)
 
 
 def fit_slack(p: Problem, streams: int) -> float:
@@ -275,7 +271,7 @@ def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float, max_e
             continue
         for other in LIST_SLACKS:
             out = list_schedule(p, cap_bytes, streams, fitted.schedule.decision, other)
-            if out.fits and (best is None or cost(p, out) < cost(p, best)):
+            if out.fits and (best is None or cost(p, out.schedule) < cost(p, best.schedule)):
                 if peak_memory(p, out.schedule.decision, timed(p, out.schedule))[0] <= cap_bytes:
                     best = out
         if not fitted.schedule.decision:
