@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+from scipy.optimize import linprog
 
 from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
 
@@ -40,13 +41,14 @@ class Dag:
 
     preds: list[list[int]]
     alts: list[list[Alternative]]
+    order: list[int] | None = None  # the Problem's op at each position (Dag.of)
 
     @classmethod
     def of(cls, p: Problem) -> Dag:
         order = _topological([o.preds for o in p.ops])
         index = {op: k for k, op in enumerate(order)}
         return cls([sorted(index[u] for u in p.ops[op].preds) for op in order],
-                   [p.ops[op].alternatives for op in order])
+                   [p.ops[op].alternatives for op in order], order)
 
     def reversed(self) -> Dag:
         """Every edge turned around (tails of this DAG are heads of that one); op i becomes n - 1 - i."""
@@ -96,9 +98,10 @@ def _topological(preds: list[list[int]]) -> list[int]:
     return order
 
 
-def lower_bounds_us(p: Problem, streams: int) -> dict[str, float]:
+def lower_bounds_us(p: Problem, streams: int, cap_bytes: int | None = None) -> dict[str, float]:
     """Bounds every schedule obeys (module docstring): the dependency chain, SM work (and DRAM work with --dram),
-    streams, big ops with a chain, and heads and tails that combine them all."""
+    streams, big ops with a chain, heads and tails that combine them all, and under a cap what the cap forces
+    off the device (`memory_cut_us`)."""
     dag = Dag.of(p)
     fastest = dag.fastest_us()
     dram = any(a.dram_demand for o in p.ops for a in o.alternatives)
@@ -107,7 +110,9 @@ def lower_bounds_us(p: Problem, streams: int) -> dict[str, float]:
               "streams": float(fastest.sum()) / streams}
     if p.ops:
         bounds["disjunctive"] = disjunctive_us(dag)
-        bounds["head_tail"] = head_tail_us(dag, streams, dram)
+        heads, tails, bounds["head_tail"] = heads_tails_us(dag, streams, dram)
+        if cap_bytes is not None and any(t.choosable for t in p.tensors):
+            bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, heads, tails)
     return bounds
 
 
@@ -224,17 +229,22 @@ def heads_us(dag: Dag, wins: list[Window], anc: np.ndarray) -> np.ndarray:
     return head
 
 
-def head_tail_us(dag: Dag, streams: int, dram: bool = False) -> float:
-    """C >= head(v) + fastest(v) + tail(v) for every op v (tail(v) <= C - end(v): heads of the reversed DAG), and
-    C >= the head of a sink after every op, and its mirror."""
+def heads_tails_us(dag: Dag, streams: int, dram: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
+    """(head, tail, bound): per op, head(v) <= start(v) and tail(v) <= C - end(v) (heads of the reversed DAG) in
+    every schedule; the bound is C >= head(v) + fastest(v) + tail(v) for every op v, and C >= the head of a sink
+    after every op, and its mirror."""
     ends = []
     for d in (dag, dag.reversed()):
         sunk = d.with_sink()
         anc = sunk.ancestors()
         ends.append(heads_us(sunk, windows(sunk, anc, streams, dram), anc))
-    heads, tails = ends[0], ends[1]
-    through = heads[:-1] + dag.fastest_us() + tails[:-1][::-1]
-    return float(max(heads[-1], tails[-1], through.max()))
+    heads, tails = ends[0][:-1], ends[1][:-1][::-1]
+    through = heads + dag.fastest_us() + tails
+    return heads, tails, float(max(ends[0][-1], ends[1][-1], through.max()))
+
+
+def head_tail_us(dag: Dag, streams: int, dram: bool = False) -> float:
+    return heads_tails_us(dag, streams, dram)[2]
 
 
 def disjunctive_us(dag: Dag) -> float:
@@ -248,12 +258,109 @@ def disjunctive_us(dag: Dag) -> float:
 
 
 def memory_lower_bound(p: Problem) -> tuple[int, str]:
-    """(bytes, op): the resident bytes plus, for the op that needs most, the tensors it reads and writes and
-    its leanest workspace; these must all be on the device while it runs, in any schedule."""
+    """(bytes, op): what the op that needs most holds on the device while it runs, in any schedule: the resident
+    bytes, the tensors it reads and writes, its leanest workspace, and, when every path passes through it (`Cut`),
+    every tensor made before it and read after it that can neither be offloaded nor recomputed."""
     best, where = p.resident_bytes, ""
-    for o in p.ops:
-        need = p.resident_bytes + sum(p.tensors[t].bytes for t in set(o.reads) | set(o.writes))
-        need += min(a.workspace_bytes for a in o.alternatives)
+    dag = Dag.of(p)
+    anc = dag.ancestors()
+    cut_at = {dag.order[v]: Cut.at(p, dag, anc, v) for v in cut_ops(anc)}
+    for i, o in enumerate(p.ops):
+        need = cut_at[i].held_bytes if i in cut_at else p.resident_bytes + sum(
+            p.tensors[t].bytes for t in set(o.reads) | set(o.writes)) + min(a.workspace_bytes for a in o.alternatives)
         if need > best:
             best, where = need, o.name
     return best, where
+
+
+def cut_ops(anc: np.ndarray) -> list[int]:
+    """The ops every path passes through: each other op is their ancestor or their descendant, so none runs
+    beside them."""
+    related = (anc | anc.T).sum(axis=1)
+    return [int(v) for v in np.flatnonzero(related == len(anc) - 1)]
+
+
+@dataclass
+class Cut:
+    """The device memory at the start of a cut op v: `held_bytes` are there in every schedule (resident bytes,
+    v's leanest workspace, what v reads and writes, every tensor made before v and used after it that must stay);
+    each of `away` (saved tensors whose forward readers all precede v and backward readers all follow it) is
+    there unless offloaded (its copy out ended before v starts, its copy back starts after) or recomputed (after
+    v starts)."""
+
+    v: int  # position in the Dag
+    held_bytes: int
+    away: list[int]  # tensors
+
+    @classmethod
+    def at(cls, p: Problem, dag: Dag, anc: np.ndarray, v: int) -> Cut:
+        pos = {op: k for k, op in enumerate(dag.order)}
+        op = p.ops[dag.order[v]]
+        before = lambda ops: any(pos[u] == v or anc[v, pos[u]] for u in ops)  # noqa: E731
+        after = lambda ops: any(pos[u] == v or anc[pos[u], v] for u in ops)  # noqa: E731
+        held = p.resident_bytes + min(a.workspace_bytes for a in op.alternatives)
+        away = []
+        for t, tu in enumerate(p.tensors):
+            if t in op.reads or t in op.writes:
+                held += tu.bytes
+            elif (not tu.writers or before(tu.writers)) and (tu.is_output or after(tu.writers + tu.early + tu.late)):
+                if tu.choosable and not after(tu.writers + tu.early) and not before(tu.late):
+                    away.append(t)
+                else:
+                    held += tu.bytes
+        return cls(v, held, away)
+
+
+def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, heads: np.ndarray, tails: np.ndarray) -> float:
+    """C + copy interference >= the least, over fractional offload o_t and recompute r_t of the `Cut`'s away
+    tensors freeing sum (o_t + r_t) bytes_t >= held + away bytes - cap, of H + A + copy_interference x sum o_t
+    (d2h_t + h2d_t), for the cut op that gives most; H = start(v), A = C - start(v):
+      H >= head(v);  H >= the earliest end of their producers + sum o_t d2h_t   (one copy engine, done by start(v))
+      A >= fastest(v) + tail(v);  A >= sum o_t h2d_t + least fastest + tail of a backward reader   (copies back)
+      A >= SM work of v and its descendants + sum r_t x the recomputation's SM work   (recomputations after start(v))
+    Offloading and recomputing only add work, so nothing else changes; the relaxation is a linear program."""
+    fastest, area = dag.fastest_us(), dag.least(sm_share)
+    pos = {op: k for k, op in enumerate(dag.order)}
+    anc = dag.ancestors()
+    best = 0.0
+    for v in cut_ops(anc):
+        cut = Cut.at(p, dag, anc, v)
+        away = [p.tensors[t] for t in cut.away]
+        excess = cut.held_bytes + sum(t.bytes for t in away) - cap_bytes
+        if excess <= 0:
+            continue
+        k, sizes = len(away), np.array([t.bytes for t in away], float)
+        copy_out = np.array([t.d2h_us if t.can_offload else 0.0 for t in away])
+        copy_back = np.array([t.h2d_us if t.can_offload else 0.0 for t in away])
+        recompute = np.array([t.recompute.time_us * sm_share(t.recompute) if t.can_recompute else 0.0 for t in away])
+        made = min((heads[pos[t.producer]] + fastest[pos[t.producer]] if t.producer is not None else 0.0)
+                   for t in away)
+        back = min(fastest[pos[c]] + tails[pos[c]] for t in away for c in t.late)
+        after = float(area[v] + area[anc[:, v]].sum())
+        zeros = np.zeros(k)
+        h, a = np.eye(2)[0], np.eye(2)[1]
+        rows = [  # each row . (o, r, H, A) <= rhs
+            (np.r_[copy_out, zeros, -h], -made), (np.r_[copy_back, zeros, -a], -back),
+            (np.r_[zeros, recompute, -a], -after),
+            (np.r_[-sizes, -sizes, 0, 0], -excess)]
+        rows += [(np.r_[np.eye(k)[i], np.eye(k)[i], 0, 0], 1.0) for i in range(k)]
+        bounds = [(0, 1 if t.can_offload else 0) for t in away] + [(0, 1 if t.can_recompute else 0) for t in away]
+        bounds += [(heads[v], None), (fastest[v] + tails[v], None)]
+        cost = np.r_[p.device.copy_interference * (copy_out + copy_back), zeros, 1.0, 1.0]
+        lp = linprog(cost, A_ub=np.array([r for r, _ in rows]), b_ub=np.array([b for _, b in rows]), bounds=bounds,
+                     method="highs")
+        if lp.status == 0:
+            best = max(best, float(lp.fun))
+    return best
+
+
+def worst_cut(p: Problem, cap_bytes: int) -> tuple[int, set[int]]:
+    """(bytes, tensors): at the cut op where the cap forces most off the device, how much and what may go."""
+    dag = Dag.of(p)
+    anc = dag.ancestors()
+    worst = (0, set())
+    for v in cut_ops(anc):
+        cut = Cut.at(p, dag, anc, v)
+        excess = cut.held_bytes + sum(p.tensors[t].bytes for t in cut.away) - cap_bytes
+        worst = max(worst, (excess, set(cut.away)), key=lambda w: w[0])
+    return worst

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.bounds import worst_cut
 from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
 from planner.schedule import Decision, Schedule, timed
 
@@ -324,11 +325,10 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slac
                      key=lambda t: (p.tensors[t].recompute.time_us / p.tensors[t].bytes, t))
     made = sorted((t for t, tu in enumerate(p.tensors) if tu.can_offload), key=lambda t: (p.tensors[t].producer or -1, t))
     best = None
-    for limit in RECOMPUTE_LIMITS:
-        decision: dict[int, Decision] = {}
-        for t in by_cost:
-            if p.tensors[t].recompute.time_us / p.tensors[t].bytes * 2**20 <= limit:
-                decision[t] = "recompute"
+    starts = [[t for t in by_cost if p.tensors[t].recompute.time_us / p.tensors[t].bytes * 2**20 <= limit]
+              for limit in RECOMPUTE_LIMITS]
+    for recomputed in [cheapest_cover(p, cap_bytes, by_cost), *starts]:
+        decision: dict[int, Decision] = {t: "recompute" for t in recomputed}
         order = [t for t in made if t not in decision]
         lo, hi = 0, len(order)
         while lo <= hi and evals < max_evals:
@@ -358,6 +358,20 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slac
                 if out.fits and cost(p, out.schedule) < cost(p, best.schedule):
                     best, improved = out, True
     return best
+
+
+def cheapest_cover(p: Problem, cap_bytes: int, by_cost: list[int]) -> list[int]:
+    """The cheapest recomputations (`by_cost` order) that free what the cap forces away at its tightest cut
+    (bounds.worst_cut): the integral start the memory_cut bound's relaxation points at."""
+    excess, away = worst_cut(p, cap_bytes)
+    chosen, freed = [], 0
+    for t in by_cost:
+        if freed >= excess:
+            break
+        if t in away:
+            chosen.append(t)
+            freed += p.tensors[t].bytes
+    return chosen
 
 
 RECOMPUTE_LIMITS = (0.0, 3.0, 5.0, 10.0, float("inf"))  # us per MiB: recompute every tensor at most this dear

@@ -120,8 +120,9 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     need, op = memory_lower_bound(p)
     if cap_bytes < need:
         raise CapTooSmall(f"the cap {fmt_bytes(cap_bytes)} is below the {fmt_bytes(need)} any schedule needs "
-                          f"(resident {fmt_bytes(p.resident_bytes)}, plus what op {op} reads, writes and its "
-                          f"leanest workspace); minimum cap: {need} bytes", need)
+                          f"(resident {fmt_bytes(p.resident_bytes)}, plus what op {op} reads, writes, its "
+                          f"leanest workspace and, if every path passes through it, the tensors that must stay "
+                          f"while it runs); minimum cap: {need} bytes", need)
     if options.baseline:
         if base_peak > cap_bytes:
             raise CapTooSmall(f"the serial baseline needs {fmt_bytes(base_peak)}, over the cap "
@@ -134,6 +135,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         plan.totals.baseline_makespan_us = plan.totals.makespan_us
         return plan
     fits = lambda plan: device_bytes(graph, plan) <= cap_bytes  # noqa: E731
+    bounds = lower_bounds_us(p, options.streams, cap_bytes)  # under the user's cap, not the arena's target
     slack = fit_slack(p, options.streams)
     first_s = None
 
@@ -142,7 +144,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     def first(target: int, hint: Schedule) -> Plan:
         """The heuristic's plan, handed to on_plan when it is the first valid one."""
         nonlocal first_s
-        plan = _solve_under(graph, p, target, base, base_peak, replace(options, time_limit_s=0), None, hint)
+        plan = _solve_under(graph, p, target, base, base_peak, bounds, replace(options, time_limit_s=0), None, hint)
         plan.totals.mem_cap_bytes = cap_bytes
         built[target, id(hint)] = plan
         if fits(plan) and first_s is None:
@@ -155,7 +157,8 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         """CP-SAT from the hint; without CP-SAT (time limit 0) the heuristic's plan, built once."""
         if options.time_limit_s <= 0 and hint is not None and (target, id(hint)) in built:
             return built[target, id(hint)]
-        return _solve_under(graph, p, target, base, base_peak, options, on_progress, hint, fits)
+        return _solve_under(graph, p, target, base, base_peak, bounds, options, on_progress, hint, fits,
+                            own_bound=target == cap_bytes)
 
     def done(plan: Plan) -> Plan:
         plan.totals.first_plan_s = first_s if first_s is not None else time.monotonic() - t0
@@ -207,17 +210,20 @@ def _plan_of(graph: Graph, p: Problem, schedule: Schedule, cap_bytes: int, strea
     return build_plan(graph, p, schedule, totals, streams)
 
 
-def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_peak: int, options: Options,
-                 on_progress, hint: Schedule | None, fits: Callable[[Plan], bool] = lambda plan: True) -> Plan:
+def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_peak: int, bounds: dict[str, float],
+                 options: Options, on_progress, hint: Schedule | None, fits: Callable[[Plan], bool] = lambda plan: True,
+                 own_bound: bool = True) -> Plan:
     """CP-SAT from the heuristic hint under `cap_bytes`; the better schedule as a plan (the hint's when CP-SAT's
-    does not `fit`)."""
+    does not `fit`), reporting `bounds` and, with `own_bound`, CP-SAT's (which holds only under the user's cap,
+    not under a lower target)."""
     horizon = hint.makespan(p) if hint else _loose_horizon(p)
-    bounds = lower_bounds_us(p, options.streams)
+    bounds = dict(bounds)
     tick = p.tick_us
 
     def progress(makespan_ticks: int, bound_ticks: int, elapsed_s: float) -> None:
         if on_progress:
-            on_progress(makespan_ticks * tick, max(bound_ticks * tick, *bounds.values()), elapsed_s)
+            on_progress(makespan_ticks * tick, max(bound_ticks * tick if own_bound else 0.0, *bounds.values()),
+                        elapsed_s)
 
     if options.time_limit_s <= 0:  # the heuristic alone: no OR-Tools needed
         if hint is None:
@@ -237,7 +243,8 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
             if hint is None:
                 raise _cap_too_small(p, cap_bytes, options, result.status)
             schedule, status = hint, f"heuristic (CP-SAT: {result.status})"
-        bounds["solver"] = result.bound_ticks * tick
+        if own_bound:
+            bounds["solver"] = result.bound_ticks * tick
     totals = Totals(makespan_us=0.0, peak_bytes=0, mem_cap_bytes=cap_bytes, lower_bound_us=max(bounds.values()),
                     bounds_us=bounds, solver_makespan_us=schedule.makespan(p) * tick,
                     baseline_makespan_us=sum(o.alternatives[a].time_us for o, a in zip(p.ops, base.alt)),

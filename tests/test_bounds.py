@@ -6,11 +6,13 @@ import random
 from dataclasses import replace
 
 import pytest
-from test_solver import H100, brute_force_makespan, random_problem
+from test_solver import H100, brute_force_makespan, chain_problem, random_problem, solve_tiny
 
 from planner import solve
-from planner.bounds import Dag, head_tail_us, lower_bounds_us
+from planner.bounds import Dag, head_tail_us, lower_bounds_us, memory_lower_bound
+from planner.heuristic import list_schedule
 from planner.problem import Alternative, Op, Problem
+from planner.schedule import peak_memory, timed
 
 OLD = ("critical_path", "sm_work", "streams")  # the bounds plans reported before heads, tails and big ops
 
@@ -83,3 +85,64 @@ def test_without_room_for_chain_matrices_the_bound_is_weaker_but_holds(monkeypat
     full = head_tail_us(Dag.of(p), 2)
     monkeypatch.setattr("planner.bounds.CHAIN_CELLS", 0)
     assert head_tail_us(Dag.of(p), 2) <= full <= brute_force_makespan(p, 2)
+
+
+def without_interference(p: Problem) -> Problem:
+    return replace(p, device=H100.model_copy(update={"copy_interference": 0.0}))
+
+
+def random_chain(rng: random.Random) -> Problem:
+    """`chain_problem` with random sizes, copy times and recomputation times: every op is a cut."""
+    p = without_interference(chain_problem(rng.randint(3, 6)))
+    for t in p.tensors:
+        t.bytes = rng.randint(500, 1500) if t.choosable else t.bytes
+        if t.can_offload:
+            t.d2h_us = t.h2d_us = t.d2h_ticks = t.h2d_ticks = rng.randint(5, 40)
+        if t.can_recompute:
+            t.recompute = replace(t.recompute, time_us=(d := rng.randint(1, 4)), duration=d,
+                                  sm_demand=rng.choice([30, 100]))
+    return p
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_memory_cut_is_at_most_the_optimum_under_a_binding_cap(seed):
+    rng = random.Random(seed)
+    p = random_chain(rng)
+    keep_all = list_schedule(p, float("inf"), 4, {}).schedule
+    peak = peak_memory(p, {}, timed(p, keep_all))[0]
+    cap = rng.randint(memory_lower_bound(p)[0] + 500, peak)
+    result = solve_tiny(p, cap, 4)
+    assert result.status == "OPTIMAL", (cap, result.status)
+    bounds = lower_bounds_us(p, 4, cap)
+    assert bounds["memory_cut"] <= result.schedule.makespan(p) + 1e-6
+
+
+def slow_copy_chain(depth: int) -> Problem:
+    """The chain with 10-tick copies: offloading a saved activation costs more than recomputing it (1 tick)."""
+    p = without_interference(chain_problem(depth))
+    for t in p.tensors:
+        if t.can_offload:
+            t.d2h_us = t.h2d_us = t.d2h_ticks = t.h2d_ticks = 10
+    return p
+
+
+def test_a_cap_that_forces_recomputation_raises_the_bound_by_it():
+    """Keeping all six activations needs 6050 bytes at the turn; under 3500 at least 2.55 of them go (the cut
+    at f5 holds a4 and a5: 2050), each recomputed at 1 us of the whole GPU after the turn: 48 + 0.95 (of the
+    copies, the one out hides in the forward pass, the one back delays b5... by less than a recomputation)."""
+    p = slow_copy_chain(6)
+    bounds = lower_bounds_us(p, 4, 3500)
+    assert bounds["head_tail"] == 48
+    result = solve_tiny(p, 3500, 4)
+    assert result.status == "OPTIMAL"
+    assert 48 < bounds["memory_cut"] <= result.schedule.makespan(p)
+    assert lower_bounds_us(p, 4, 7000)["memory_cut"] == 0  # nothing has to go
+
+
+def test_the_minimum_cap_counts_what_a_cut_must_hold():
+    """At f5 every path passes: a4 (read) and a5 (written) are there, the others may be away; the graph input
+    the chain starts from, when it can be neither copied nor recomputed, must stay as well."""
+    p = chain_problem(6)
+    assert memory_lower_bound(p) == (50 + 2000, "f1")
+    p.tensors[0].can_offload = False
+    assert memory_lower_bound(p) == (50 + 3000, "f2")
