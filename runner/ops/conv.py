@@ -184,7 +184,7 @@ class FusedConv:
         conv_attrs = {k: v for k, v in attrs.items() if k not in ("relu", "residual", "concat_channels")}
         epilogue = dict(bias=self.bias, residual=self.residual, relu=self.relu) if fused else {}
         self.op = ConvOp("conv", conv_attrs, list(x.shape), list(w.shape), list(y.shape), y.dtype, handle, **epilogue,
-                         y_pitch=attrs.get("concat_channels"))
+                         y_pitch=y.row_channels)
         prefix = "fused" if fused else "unfused"
         self.plans = [p for p in self.op.candidates if p[1] not in skip]
         self.candidates = [(f"{prefix}:{name}", workspace) for _, name, workspace in self.plans]

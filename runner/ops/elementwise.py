@@ -186,13 +186,13 @@ class SlicedPointwise(SingleKernelOp):
 
 
 def _relu(attrs, ins, outs, handle):
-    if "concat_channels" in attrs:
+    if outs[0].row_channels:
         return SlicedPointwise("relu_fwd_rows", [ins[0], outs[0]])
     return Pointwise("relu_fwd", outs[0])
 
 
 def _relu_bwd(attrs, ins, outs, handle):
-    if "concat_channels" in attrs:
+    if ins[0].row_channels:
         return SlicedPointwise("relu_bwd_rows", [ins[0], ins[1], outs[0]])
     return Pointwise("relu_bwd", outs[0])
 
