@@ -4,13 +4,15 @@ A schedule runs each op once, on one of its alternatives, after its preds end; a
 their sm_demand summing to at most SM_CAPACITY (and, with --dram, their dram_demand to DRAM_CAPACITY). Copies and
 recomputations only add work, so bounds that leave them out hold under any cap. Times are the alternatives'
 time_us, the durations the plan's replay predicts with. Every bound below holds for every schedule (C: its
-makespan); `head_tail` combines them all and is the strongest:
+makespan); `head_tail` combines them all and is the strongest without a cap:
 
   critical_path  C >= the longest dependency chain at each op's fastest time
   sm_work        C >= sum over ops of min over alternatives of time_us x sm_demand / 100 (dram_work likewise)
   streams        C >= sum of fastest times / streams
   disjunctive    C >= fastest times summed over big ops and one chain that can overlap neither them nor each other
   head_tail      C >= head(v) + fastest(v) + tail(v), heads and tails from window bounds (`heads_us`)
+  memory_cut     C + copy interference >= heads, tails and SM work plus what sending the bytes a cap forces off
+                 the device at a cut op costs at least (an LP; under a cap only)
 
 Window bounds: every op of a set S that runs within a window of length L gives L >= sum over S of base weights
 + the heaviest chain in S of chain weights (`Window`). Rates make the base weights (`rates`), big ops and
@@ -288,9 +290,13 @@ class Cut:
     there unless offloaded (its copy out ended before v starts, its copy back starts after) or recomputed (after
     v starts)."""
 
-    v: int  # position in the Dag
     held_bytes: int
     away: list[int]  # tensors
+    away_bytes: int
+
+    def excess_bytes(self, cap_bytes: int) -> int:
+        """What the cap forces off the device here (at most away_bytes when the cap is at least held_bytes)."""
+        return self.held_bytes + self.away_bytes - cap_bytes
 
     @classmethod
     def at(cls, p: Problem, dag: Dag, anc: np.ndarray, v: int) -> Cut:
@@ -308,7 +314,7 @@ class Cut:
                     away.append(t)
                 else:
                     held += tu.bytes
-        return cls(v, held, away)
+        return cls(held, away, sum(p.tensors[t].bytes for t in away))
 
 
 def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, heads: np.ndarray, tails: np.ndarray) -> float:
@@ -325,8 +331,7 @@ def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, heads: np.ndarray, tails
     best = 0.0
     for v in cut_ops(anc):
         cut = Cut.at(p, dag, anc, v)
-        away = [p.tensors[t] for t in cut.away]
-        excess = cut.held_bytes + sum(t.bytes for t in away) - cap_bytes
+        away, excess = [p.tensors[t] for t in cut.away], cut.excess_bytes(cap_bytes)
         if excess <= 0:
             continue
         k, sizes = len(away), np.array([t.bytes for t in away], float)
@@ -361,6 +366,5 @@ def worst_cut(p: Problem, cap_bytes: int) -> tuple[int, set[int]]:
     worst = (0, set())
     for v in cut_ops(anc):
         cut = Cut.at(p, dag, anc, v)
-        excess = cut.held_bytes + sum(p.tensors[t].bytes for t in cut.away) - cap_bytes
-        worst = max(worst, (excess, set(cut.away)), key=lambda w: w[0])
+        worst = max(worst, (cut.excess_bytes(cap_bytes), set(cut.away)), key=lambda w: w[0])
     return worst
