@@ -265,8 +265,7 @@ def memory_lower_bound(p: Problem) -> tuple[int, str]:
     every tensor made before it and read after it that can neither be offloaded nor recomputed."""
     best, where = p.resident_bytes, ""
     dag = Dag.of(p)
-    anc = dag.ancestors()
-    cut_at = {dag.order[v]: Cut.at(p, dag, anc, v) for v in cut_ops(anc)}
+    cut_at = {dag.order[c.v]: c for c in cuts(p, dag, dag.ancestors())}
     for i, o in enumerate(p.ops):
         need = cut_at[i].held_bytes if i in cut_at else p.resident_bytes + sum(
             p.tensors[t].bytes for t in set(o.reads) | set(o.writes)) + min(a.workspace_bytes for a in o.alternatives)
@@ -275,11 +274,12 @@ def memory_lower_bound(p: Problem) -> tuple[int, str]:
     return best, where
 
 
-def cut_ops(anc: np.ndarray) -> list[int]:
-    """The ops every path passes through: each other op is their ancestor or their descendant, so none runs
-    beside them."""
+def cuts(p: Problem, dag: Dag, anc: np.ndarray) -> list[Cut]:
+    """A `Cut` at each op every path passes through: each other op is its ancestor or its descendant, so none
+    runs beside it."""
     related = (anc | anc.T).sum(axis=1)
-    return [int(v) for v in np.flatnonzero(related == len(anc) - 1)]
+    pos = {op: k for k, op in enumerate(dag.order)}
+    return [Cut.at(p, dag, anc, pos, int(v)) for v in np.flatnonzero(related == len(anc) - 1)]
 
 
 @dataclass
@@ -290,6 +290,7 @@ class Cut:
     there unless offloaded (its copy out ended before v starts, its copy back starts after) or recomputed (after
     v starts)."""
 
+    v: int  # position in the Dag
     held_bytes: int
     away: list[int]  # tensors
     away_bytes: int
@@ -299,8 +300,7 @@ class Cut:
         return self.held_bytes + self.away_bytes - cap_bytes
 
     @classmethod
-    def at(cls, p: Problem, dag: Dag, anc: np.ndarray, v: int) -> Cut:
-        pos = {op: k for k, op in enumerate(dag.order)}
+    def at(cls, p: Problem, dag: Dag, anc: np.ndarray, pos: dict[int, int], v: int) -> Cut:
         op = p.ops[dag.order[v]]
         before = lambda ops: any(pos[u] == v or anc[v, pos[u]] for u in ops)  # noqa: E731
         after = lambda ops: any(pos[u] == v or anc[pos[u], v] for u in ops)  # noqa: E731
@@ -314,7 +314,7 @@ class Cut:
                     away.append(t)
                 else:
                     held += tu.bytes
-        return cls(held, away, sum(p.tensors[t].bytes for t in away))
+        return cls(v, held, away, sum(p.tensors[t].bytes for t in away))
 
 
 def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, heads: np.ndarray, tails: np.ndarray) -> float:
@@ -329,8 +329,8 @@ def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, heads: np.ndarray, tails
     pos = {op: k for k, op in enumerate(dag.order)}
     anc = dag.ancestors()
     best = 0.0
-    for v in cut_ops(anc):
-        cut = Cut.at(p, dag, anc, v)
+    for cut in cuts(p, dag, anc):
+        v = cut.v
         away, excess = [p.tensors[t] for t in cut.away], cut.excess_bytes(cap_bytes)
         if excess <= 0:
             continue
@@ -362,9 +362,7 @@ def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, heads: np.ndarray, tails
 def worst_cut(p: Problem, cap_bytes: int) -> tuple[int, set[int]]:
     """(bytes, tensors): at the cut op where the cap forces most off the device, how much and what may go."""
     dag = Dag.of(p)
-    anc = dag.ancestors()
     worst = (0, set())
-    for v in cut_ops(anc):
-        cut = Cut.at(p, dag, anc, v)
+    for cut in cuts(p, dag, dag.ancestors()):
         worst = max(worst, (cut.excess_bytes(cap_bytes), set(cut.away)), key=lambda w: w[0])
     return worst
