@@ -220,17 +220,20 @@ def signature(items: list[Item], t0: int, t1: int) -> tuple:
 
 
 def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: float, seed: int = 0,
-           on_progress: Callable[[int, float], None] | None = None) -> tuple[Schedule, float]:
+           on_progress: Callable[[int, float], None] | None = None,
+           fits: Callable[[Schedule], bool] | None = None) -> tuple[Schedule, float]:
     """(the schedule improved window by window, the budget spent). Passes sweep windows of WINDOW_SIZES[i] items
     from the start of the schedule to its end, overlapping by half; a window is kept when the schedule gets
     cheaper and fits the cap. A pass that gains over MIN_PASS_GAIN repeats its size, one that does not moves on
     to larger windows; the largest ends the search. Windows whose model was solved before without gain are
     skipped. The budget is in seconds of the development machine, counted from CP-SAT's deterministic time
     (WALL_PER_DET, WINDOW_OVERHEAD_S) so that plans repeat for a given seed; the wall clock at twice the budget
-    is a guard for slower machines."""
+    is a guard for slower machines. `fits` (the runner's arena, dearer than the peak) is checked at the end only:
+    if the result fails it, a bisection over the kept windows finds a later schedule that passes."""
     t_start, spent = time.monotonic(), 0.0
     best, best_cost = s, cost(p, s)
     fruitless: set[tuple] = set()
+    kept = [s]
     size = 0
     while size < len(WINDOW_SIZES) and spent < budget_s:
         width, k, pass_cost = WINDOW_SIZES[size], 0, best_cost
@@ -249,9 +252,16 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
             if trial is not None and cost(p, trial) < best_cost and (
                     peak_memory(p, trial.decision, timed(p, trial))[0] <= cap_bytes):
                 best, best_cost = trial, cost(p, trial)
+                kept.append(best)
                 if on_progress:
                     on_progress(best.makespan(p), time.monotonic() - t_start)
             else:
                 fruitless.add(seen)
         size += best_cost > pass_cost * (1 - MIN_PASS_GAIN)
+    if fits is not None and not fits(best):
+        lo, hi = 0, len(kept) - 2  # the latest kept schedule that fits, if fitting were monotone; each probe checked
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(kept[mid]) else (lo, mid - 1)
+        best = kept[lo]
     return best, spent

@@ -238,7 +238,8 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
                               f"than {fmt_bytes(need)})", need)
         found = [(hint, "heuristic (CP-SAT not run: time limit 0)", False)]
     else:
-        found, solver_bound_ticks = _search(p, cap_bytes, horizon, hint, options, progress)
+        fits_schedule = lambda s: fits(_plan_of(graph, p, s, cap_bytes, options.streams))  # noqa: E731
+        found, solver_bound_ticks = _search(p, cap_bytes, horizon, hint, options, progress, fits_schedule)
         if own_bound:
             bounds["solver"] = solver_bound_ticks * tick
     for k, (schedule, status, refined) in enumerate(found):  # the runner's arena must fit too: the best that does
@@ -256,7 +257,8 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
 
 
 def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, options: Options,
-            progress: Callable[[int, int, float], None]) -> tuple[list[tuple[Schedule, str, bool]], int]:
+            progress: Callable[[int, int, float], None], fits: Callable[[Schedule], bool]
+            ) -> tuple[list[tuple[Schedule, str, bool]], int]:
     """(the schedules found, best first, each with how and whether windows refined it; CP-SAT's bound in ticks).
     A problem of at most WHOLE_MODEL_OPS ops goes to CP-SAT whole first (GoogLeNet and ResNet-50 inference:
     proven optimal within a second) for WHOLE_MODEL_SHARE of the time limit, then, unless proven optimal, to
@@ -290,7 +292,7 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
     def windows(budget_s: float) -> float:
         start, how, _ = found[0]
         out, spent = refine(p, cap_bytes, options.streams, start, budget_s, options.seed,
-                            lambda ms, at: progress(ms, 0, elapsed + at))
+                            lambda ms, at: progress(ms, 0, elapsed + at), fits)
         if cost(p, out) < cost(p, start):
             found.insert(0, (out, f"{how}; refined window by window from {start.makespan(p) * p.tick_us:.1f} us",
                              True))

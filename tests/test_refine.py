@@ -73,3 +73,13 @@ def test_the_same_seed_refines_to_the_same_schedule():
     second, _ = refine(p, 1 << 40, 3, start, budget_s=3)
     assert (first.alt, first.start) == (second.alt, second.start)
     assert 0 < spent
+
+
+def test_a_result_that_fails_the_arena_check_gives_way_to_an_earlier_kept_schedule():
+    p = random_problem(random.Random(9), n_ops=40, n_alts=3, training=True)
+    start = list_schedule(p, 1 << 40, 3, {}).schedule
+    best, _ = refine(p, 1 << 40, 3, start, budget_s=3)
+    assert cost(p, best) < cost(p, start)
+    fits = lambda s: cost(p, s) > cost(p, best)  # noqa: E731 - the best arena "overflows", every other fits
+    fallback, _ = refine(p, 1 << 40, 3, start, budget_s=3, fits=fits)
+    assert fits(fallback) and cost(p, fallback) <= cost(p, start)
