@@ -237,22 +237,23 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
     size = 0
     while size < len(WINDOW_SIZES) and spent < budget_s:
         width, k, pass_cost = WINDOW_SIZES[size], 0, best_cost
-        while spent < budget_s and time.monotonic() - t_start < 2 * budget_s:
-            items = items_of(p, best)
-            if k >= len(items):
-                break
+        items = items_of(p, best)
+        edges = precedences(p, best, items)  # both change only when a window is kept
+        while spent < budget_s and time.monotonic() - t_start < 2 * budget_s and k < len(items):
             t0 = items[k].start
             t1 = max(t0 + 1, items[k + width].start if k + width < len(items) else best.makespan(p))
             k += width // 2
             seen = signature(items, t0, t1)
             if seen in fruitless:
                 continue
-            trial, used = solve_window(p, best, items, precedences(p, best, items), t0, t1, streams, seed)
+            trial, used = solve_window(p, best, items, edges, t0, t1, streams, seed)
             spent += used * WALL_PER_DET + WINDOW_OVERHEAD_S
             if trial is not None and cost(p, trial) < best_cost and (
                     peak_memory(p, trial.decision, timed(p, trial))[0] <= cap_bytes):
                 best, best_cost = trial, cost(p, trial)
                 kept.append(best)
+                items = items_of(p, best)
+                edges = precedences(p, best, items)
                 if on_progress:
                     on_progress(best.makespan(p), time.monotonic() - t_start)
             else:
