@@ -215,7 +215,8 @@ def solve(
     baseline: bool = typer.Option(False, "--baseline", help="write the framework-style plan instead (serial, "
                                                             "fastest algorithm per op, nothing offloaded)"),
     concat: Concat = typer.Option(Concat.auto, "--concat", help="concats whose producers could write into their "
-                                  "channel slices: auto (solve both ways, keep the faster), view, copy"),
+                                  "channel slices: auto (views where the uncapped list schedule is faster), view, "
+                                  "copy"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="plan file (default plans/MODEL.bN.DTYPE.json)"),
     png: Optional[Path] = typer.Option(None, "--png", help="with several caps: the trade-off chart"),
 ):

@@ -66,11 +66,23 @@ def test_a_capped_chain_keeps_its_offloads_and_recomputations_and_its_cap(depth,
     _assert_valid(p, start, refine(p, cap, 4, start, budget_s=5)[0], cap, 4)
 
 
-def test_the_same_seed_refines_to_the_same_schedule():
+def test_two_lanes_keep_the_windows_one_lane_keeps():
+    """Windows solved two at a time, taken up to the first that gains: with budget to spare, the same search."""
+    p = random_problem(random.Random(11), n_ops=40, n_alts=3, training=True)
+    start = list_schedule(p, 1 << 40, 3, {}).schedule
+    one, spent_one = refine(p, 1 << 40, 3, start, budget_s=1000, lanes=1)
+    two, spent_two = refine(p, 1 << 40, 3, start, budget_s=1000, lanes=2)
+    assert cost(p, one) < cost(p, start)
+    assert (one.alt, one.start) == (two.alt, two.start)
+    assert spent_two < spent_one
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_the_same_seed_refines_to_the_same_schedule(lanes):
     p = random_problem(random.Random(9), n_ops=40, n_alts=3, training=True)
     start = list_schedule(p, 1 << 40, 3, {}).schedule
-    first, spent = refine(p, 1 << 40, 3, start, budget_s=3)
-    second, _ = refine(p, 1 << 40, 3, start, budget_s=3)
+    first, spent = refine(p, 1 << 40, 3, start, budget_s=3, lanes=lanes)
+    second, _ = refine(p, 1 << 40, 3, start, budget_s=3, lanes=lanes)
     assert (first.alt, first.start) == (second.alt, second.start)
     assert 0 < spent
 

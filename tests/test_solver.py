@@ -484,3 +484,22 @@ def test_dram_shares_above_one_never_run_side_by_side(dram_demand, overlap):
         for i, op in enumerate(both.ops):  # the same two ops, forced side by side on two streams
             op.start_us, op.end_us, op.stream, op.wait_events, op.record_event = 0.0, 10.0, i, [], None
         assert any("DRAM share" in v for v in check_plan(both).violations)
+
+
+def test_concat_auto_solves_the_way_whose_uncapped_list_schedule_is_faster():
+    """Views or copies by the uncapped list schedule; the speed-up is still against the copying serial plan."""
+    from planner.fuse import concat_view_candidates, with_concat_views
+    from planner.solve import _list_schedule_us
+
+    g = import_onnx(MODELS / "googlenet.onnx", batch=2, input_hw=(64, 64))
+    h100 = load_device("h100")
+    prof = estimate_profile(g, h100)
+    options = Options(time_limit_s=0)
+    views = concat_view_candidates(g)
+    as_views = _list_schedule_us(with_concat_views(g, views), prof.model_copy(update={"graph_sha256": None}), options)
+    copied = _list_schedule_us(g, prof, options)
+    plan = solve_plan(g, prof, h100.memory_bytes, options)
+    assert bool(plan.concat_views) == (as_views < copied)
+    assert f"as views {as_views:.1f} us, copied {copied:.1f} us" in plan.totals.status
+    serial = solve_plan(g, prof, h100.memory_bytes, Options(baseline=True, concat="copy"))
+    assert plan.totals.baseline_makespan_us == pytest.approx(serial.totals.makespan_us)
