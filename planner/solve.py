@@ -114,7 +114,7 @@ def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options 
 def _list_schedule_us(graph: Graph, profile: Profile, options: Options) -> float:
     """The shortest list schedule without a cap over LIST_SLACKS: a quick ranking of concats as views or copied."""
     p = build_problem(graph, profile, options.max_alternatives, options.offload, options.recompute, options.dram)
-    return list_schedule(p, float("inf"), options.streams, {}, fit_slack(p, options.streams)).makespan * p.tick_us
+    return min(list_schedule(p, float("inf"), options.streams, {}, slack).makespan for slack in LIST_SLACKS) * p.tick_us
 
 
 def _framework_baseline(plan: Plan, copying: Plan) -> Plan:
