@@ -204,9 +204,10 @@ def solve(
     profile_path: Path = typer.Option(DEFAULT_STORE, "--profile", help="profile store directory or profile file"),
     analytic: Optional[str] = typer.Option(None, "--analytic", help="use the analytic profile of this device"),
     streams: int = typer.Option(4, "--streams", min=1, max=32, help="compute streams"),
-    time_limit: float = typer.Option(60.0, "--time-limit", min=0, help="search budget after the heuristic, in seconds "
-                                     "of a 2-core machine (counted deterministically; faster machines finish sooner); "
-                                     "0: the list-scheduling heuristic alone, no OR-Tools"),
+    time_limit: float = typer.Option(60.0, "--time-limit", min=0, help="budget of the whole solve, heuristic and "
+                                     "search, in seconds of a 2-core machine (counted from the work done, so plans "
+                                     "repeat; faster machines finish sooner); 0: the list-scheduling heuristic alone, "
+                                     "no OR-Tools"),
     workers: int = typer.Option(8, "--workers", min=1, help="CP-SAT workers"),
     seed: int = typer.Option(0, "--seed", help="CP-SAT random seed"),
     dram: bool = typer.Option(False, "--dram", help="also keep the running ops' DRAM shares at most 1 (off by "
@@ -475,8 +476,8 @@ def bench(
     iters: int = typer.Option(5, "--iters", min=1, help="timed iterations per variant and round (rounds x iters "
                                                         ">= 50)"),
     streams: int = typer.Option(4, "--streams", min=1, max=32, help="compute streams for our plan"),
-    time_limit: float = typer.Option(20.0, "--time-limit", min=0, help="search budget after the heuristic (seconds "
-                                     "of a 2-core machine, counted deterministically); 0: the heuristic alone"),
+    time_limit: float = typer.Option(20.0, "--time-limit", min=0, help="budget of the whole solve (seconds of a "
+                                     "2-core machine, counted from the work done); 0: the heuristic alone"),
     workers: int = typer.Option(8, "--workers", min=1, help="CP-SAT workers"),
     seed: int = typer.Option(0, "--seed", help="CP-SAT and weight seed"),
     no_torch: bool = typer.Option(False, "--no-torch", help="our variants only, even where PyTorch is installed"),

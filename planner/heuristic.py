@@ -39,6 +39,17 @@ def baseline(p: Problem) -> Schedule:
 
 
 @dataclass
+class Work:
+    """What the heuristic has done, in units that do not depend on the machine or its load: jobs list-scheduled,
+    ops laid out in arenas, problems set up (built and bounded). A time limit charges it by those counts
+    (solve.charged_s), so that the search after it gets the same seconds on every run."""
+
+    jobs: int = 0
+    layouts: int = 0
+    setups: int = 0
+
+
+@dataclass
 class Outcome:
     """A list schedule and how well it met the cap: `over` is the most bytes above it at a start that had to
     go ahead for lack of anything else to run (0: it fits), `stuck_at` the first such instant (ticks)."""
@@ -53,8 +64,8 @@ class Outcome:
         return self.over == 0
 
 
-def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, Decision], slack: float = 1.0
-                  ) -> Outcome:
+def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, Decision], slack: float = 1.0,
+                  work: Work | None = None) -> Outcome:
     """Several streams and copy engines under the memory cap (parallel schedule generation, event by event).
 
     At each instant, in order: finished items free what they held; the next offload starts on the d2h engine
@@ -80,6 +91,21 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             if u in needers:
                 needers[u].append(job_of[t])
     tail = _tails(p, jobs, preds, rec, needers)
+    by_speed = [_within_slack(alts, slack) for alts in jobs]
+    made_bytes = [sum(tensors[t].bytes for t in op.writes if len(tensors[t].writers) == 1) for op in p.ops]
+    made_bytes += [tensors[t].bytes for t in rec]
+    shared = [[t for t in op.writes if len(tensors[t].writers) > 1] for op in p.ops] + [[] for _ in rec]
+    last_reads = [[(t, decision.get(t, "keep") != "keep" and j in tensors[t].late, tensors[t].bytes)
+                   for t in op.reads if not tensors[t].is_output] for j, op in enumerate(p.ops)] + [[] for _ in rec]
+
+    def fresh(j: int) -> int:
+        """Bytes job j allocates when it starts besides its workspace: what it writes (but not a tensor another
+        writer already allocated) or recomputes."""
+        return made_bytes[j] + sum(tensors[t].bytes for t in shared[j] if t not in allocated)
+
+    def freed(j: int) -> int:
+        """Bytes job j's end frees: the residencies it is the last holder of."""
+        return sum(b for t, second, b in last_reads[j] if (second_left if second else first_left)[t] == 1)
     gate = [0] * len(jobs)  # unstarted predecessors of a recomputation's first needer
     gated_by: dict[int, list[int]] = {}
     root: dict[int, int] = {}  # a recomputation's first needer, followed through recomputations to an op
@@ -135,7 +161,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
         running.append((now + alt.duration, j))
         sm_used += alt.sm_demand
         dram_used += alt.dram_demand
-        used += _allocation(p, j, alt, rec, allocated)
+        used += alt.workspace_bytes + fresh(j)
         if j < n:
             allocated.update(p.ops[j].writes)
         ready.remove(j)
@@ -192,24 +218,23 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             return True
 
         prefetch(True, True)
-        ready.sort(key=lambda j: (_net(p, j, jobs[j][0], rec, decision, first_left, second_left, allocated) > 0,
-                                  -tail[j], j))
+        if len(ready) > 1:
+            ready.sort(key=lambda j: (jobs[j][0].workspace_bytes + fresh(j) > freed(j), -tail[j], j))
         for j in list(ready):
             if len(running) >= streams:
                 break
-            quickest = min(alt.duration for alt in jobs[j])
-            fitting = [a for a, alt in enumerate(jobs[j])
-                       if sm_used + alt.sm_demand <= SM_CAPACITY and alt.duration <= slack * quickest
-                       and dram_used + alt.dram_demand <= DRAM_CAPACITY
-                       and used + _allocation(p, j, alt, rec, allocated) <= cap_bytes]
-            if fitting:
-                launch(j, min(fitting, key=lambda a: (jobs[j][a].duration, jobs[j][a].workspace_bytes)))
+            room = cap_bytes - used - fresh(j)
+            for a in by_speed[j]:
+                alt = jobs[j][a]
+                if (sm_used + alt.sm_demand <= SM_CAPACITY and dram_used + alt.dram_demand <= DRAM_CAPACITY
+                        and alt.workspace_bytes <= room):
+                    launch(j, a)
+                    break
         if not running and d2h_busy is None and h2d_busy is None and finished < len(jobs):
             if not prefetch(False, True):
                 if ready:  # nothing will free memory: the most urgent op goes ahead, over the cap
                     j = ready[0]
-                    a = min(range(len(jobs[j])), key=lambda a: (_allocation(p, j, jobs[j][a], rec, allocated),
-                                                                jobs[j][a].duration))
+                    a = min(range(len(jobs[j])), key=lambda a: (jobs[j][a].workspace_bytes, jobs[j][a].duration))
                     launch(j, a)
                 else:
                     prefetch(False, False)
@@ -218,28 +243,18 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
         if not events:
             break
         now = min(events)
+    if work is not None:
+        work.jobs += len(jobs)
     s.alt, s.start = choice[:n], start[:n]
     s.recompute_start = {t: start[n + k] for k, t in enumerate(rec)}
     return Outcome(s, s.makespan(p), over, stuck_at)
 
 
-def _net(p, j, alt, rec, decision, first_left, second_left, allocated) -> int:
-    """Bytes a job allocates minus those its end frees (it is the last holder of a residency)."""
-    net = _allocation(p, j, alt, rec, allocated)
-    if j < len(p.ops):
-        for t in p.ops[j].reads:
-            second = decision.get(t, "keep") != "keep" and j in p.tensors[t].late
-            if (second_left if second else first_left)[t] == 1 and not p.tensors[t].is_output:
-                net -= p.tensors[t].bytes
-    return net
-
-
-def _allocation(p: Problem, job: int, alt: Alternative, rec: list[int], allocated: set[int]) -> int:
-    """Bytes a job allocates when it starts: its workspace and what it writes (an op; but not a tensor another
-    writer already allocated) or recomputes."""
-    if job < len(p.ops):
-        return alt.workspace_bytes + sum(p.tensors[t].bytes for t in p.ops[job].writes if t not in allocated)
-    return alt.workspace_bytes + p.tensors[rec[job - len(p.ops)]].bytes
+def _within_slack(alts: list[Alternative], slack: float) -> list[int]:
+    """The alternatives at most `slack` times slower than the fastest, fastest (then leanest) first."""
+    quickest = min(alt.duration for alt in alts)
+    return sorted((a for a, alt in enumerate(alts) if alt.duration <= slack * quickest),
+                  key=lambda a: (alts[a].duration, alts[a].workspace_bytes))
 
 
 def _residency_counts(p: Problem, decision: dict[int, Decision], rec: list[int]) -> tuple[list[int], list[int]]:
@@ -302,7 +317,8 @@ def cost(p: Problem, s: Schedule) -> float:
     return s.makespan(p) + interference_ticks(p, s.decision)
 
 
-def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slack: float = 1.0) -> Outcome | None:
+def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slack: float = 1.0,
+            work: Work | None = None) -> Outcome | None:
     """Keep/offload/recompute decisions that meet the cap with the shortest list schedule (at `slack`) found.
 
     Starts: recompute the cheapest (per byte) that free the tightest cut's excess (`cheapest_cover`), or, for
@@ -316,7 +332,7 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slac
     def run(decision: dict[int, Decision]) -> Outcome:
         nonlocal evals
         evals += 1
-        return list_schedule(p, cap_bytes, streams, decision, slack)
+        return list_schedule(p, cap_bytes, streams, decision, slack, work)
 
     best = run({})
     if best.fits:

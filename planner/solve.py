@@ -15,7 +15,7 @@ from planner.files import PlannerError
 from planner.bounds import lower_bounds_us, memory_lower_bound
 from planner.fuse import concat_view_candidates, concat_view_nodes, with_concat_views
 from planner.memsize import fmt_bytes
-from planner.heuristic import baseline, cost, fit_cap, list_schedule
+from planner.heuristic import Work, baseline, cost, fit_cap, list_schedule
 from planner.ir import Graph
 from planner.plan import Plan, Totals
 from planner.problem import Problem, build_problem
@@ -36,6 +36,10 @@ WHOLE_MODEL_OPS = 200  # problems up to this size go to CP-SAT whole first (`_se
 WHOLE_MODEL_SHARE = 0.25  # ... for this share of the time limit
 QUICK_EVALS = 40  # fit_cap's budget for the first valid plan (its starts, no one-decision improvements)
 FIT_EVALS = 400  # ... and for the plan CP-SAT starts from
+LIST_S_PER_JOB = 16e-6  # the heuristic's work in seconds of the 2-core development machine (heuristic.Work): a job
+LAYOUT_S_PER_OP = 1.8e-4  # list-scheduled, an op laid out in an arena, an op of a problem built and bounded;
+SETUP_S_PER_OP = 1.8e-3  # measured on GoogLeNet and ResNet-50 training b32
+MIN_SEARCH_SHARE = 0.1  # the search gets at least this share of the time limit, whatever the heuristic took
 
 
 def device_bytes(graph: Graph, plan: Plan) -> int:
@@ -80,41 +84,61 @@ def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options 
     with half the time each gave GoogLeNet training at 50% 4556.4 us where views alone gave 4509.0 in 120 s;
     the uncapped list schedules ranked the ways as the solved plans did on every shipped GoogLeNet plan. "view"
     forces views, "copy" (and the framework-style baseline) never makes them. `on_plan` gets the first valid
-    plan (the quick heuristic's, within seconds) while the search goes on."""
+    plan (the quick heuristic's, within seconds) while the search goes on. The time limit covers the whole solve:
+    the search gets what the work before it leaves (`charged_s`), and `solve_time_s` is the whole solve's."""
+    t0, work = time.monotonic(), Work()
+    plan = _solve_concats(graph, profile, cap_bytes, options, on_progress, on_plan, work, t0)
+    plan.totals.solve_time_s = time.monotonic() - t0
+    return plan
+
+
+def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Options, on_progress, on_plan,
+                   work: Work, t0: float) -> Plan:
+    """`solve_plan` with its concats as views or copied (see there)."""
     views = [] if options.concat == "copy" or options.baseline else concat_view_candidates(graph)
     if options.concat == "auto" and not all(n.signature in profile.ops for n in concat_view_nodes(graph)):
         views = []
+    solve = lambda g, prof: _solve_graph(g, prof, cap_bytes, options, on_progress, on_plan, work, t0)  # noqa: E731
     if not views:
-        return _solve_graph(graph, profile, cap_bytes, options, on_progress, on_plan)
+        return solve(graph, profile)
     if profile.graph_sha256 not in (None, graph.graph_sha256):
         raise PlannerError("the profile was assembled for another graph (model, batch, dtype or mode differ)")
     viewed_graph, viewed_profile = with_concat_views(graph, views), profile.model_copy(update={"graph_sha256": None})
     why = ""
     if options.concat == "auto":
-        list_us = [_list_schedule_us(g, prof, options)
+        list_us = [_list_schedule_us(g, prof, options, work)
                    for g, prof in ((viewed_graph, viewed_profile), (graph, profile))]
         why = f" (uncapped list schedules: as views {list_us[0]:.1f} us, copied {list_us[1]:.1f} us)"
         if list_us[1] <= list_us[0]:
-            plan = _solve_graph(graph, profile, cap_bytes, options, on_progress, on_plan)
+            plan = solve(graph, profile)
             plan.totals.status += f"; {len(views)} concats copied{why}"
             return plan
+    copying = _solve_graph(graph, profile, 1 << 60, replace(options, baseline=True), None, None, work, t0)
     try:
-        plan = _solve_graph(viewed_graph, viewed_profile, cap_bytes, options, on_progress, on_plan)
+        plan = solve(viewed_graph, viewed_profile)
     except CapTooSmall:
         if options.concat == "view":
             raise
-        plan = _solve_graph(graph, profile, cap_bytes, options, on_progress, on_plan)
+        plan = solve(graph, profile)
         plan.totals.status += f"; {len(views)} concats copied (as views no plan fits){why}"
         return plan
     plan.graph_sha256, plan.concat_views = graph.graph_sha256, views
     plan.totals.status += f"; {len(views)} concats as views{why}"
-    return _framework_baseline(plan, _solve_graph(graph, profile, 1 << 60, replace(options, baseline=True), None))
+    return _framework_baseline(plan, copying)
 
 
-def _list_schedule_us(graph: Graph, profile: Profile, options: Options) -> float:
+def _list_schedule_us(graph: Graph, profile: Profile, options: Options, work: Work) -> float:
     """The shortest list schedule without a cap over LIST_SLACKS: a quick ranking of concats as views or copied."""
     p = build_problem(graph, profile, options.max_alternatives, options.offload, options.recompute, options.dram)
-    return min(list_schedule(p, float("inf"), options.streams, {}, slack).makespan for slack in LIST_SLACKS) * p.tick_us
+    work.setups += len(p.ops)
+    return min(list_schedule(p, float("inf"), options.streams, {}, slack, work).makespan
+               for slack in LIST_SLACKS) * p.tick_us
+
+
+def charged_s(work: Work) -> float:
+    """The seconds the heuristic's work takes on the development machine, by its counts: what the time limit
+    charges for it, the same on every run (a wall clock would make plans depend on the machine's load)."""
+    return work.jobs * LIST_S_PER_JOB + work.layouts * LAYOUT_S_PER_OP + work.setups * SETUP_S_PER_OP
 
 
 def _framework_baseline(plan: Plan, copying: Plan) -> Plan:
@@ -127,9 +151,9 @@ def _framework_baseline(plan: Plan, copying: Plan) -> Plan:
 
 def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Options,
                  on_progress: Callable[[float, float, float], None] | None,
-                 on_plan: Callable[[Plan], None] | None = None) -> Plan:
-    t0 = time.monotonic()
+                 on_plan: Callable[[Plan], None] | None, work: Work, t0: float) -> Plan:
     p = build_problem(graph, profile, options.max_alternatives, options.offload, options.recompute, options.dram)
+    work.setups += len(p.ops)
     base = baseline(p)
     base_tm = timed(p, base)
     base_peak = peak_memory(p, base.decision, base_tm)[0]
@@ -150,9 +174,13 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         plan = build_plan(graph, p, base, totals, 1)
         plan.totals.baseline_makespan_us = plan.totals.makespan_us
         return plan
-    fits = lambda plan: device_bytes(graph, plan) <= cap_bytes  # noqa: E731
+
+    def fits(plan: Plan) -> bool:
+        work.layouts += len(p.ops)
+        return device_bytes(graph, plan) <= cap_bytes
+
     bounds = lower_bounds_us(p, options.streams, cap_bytes)  # under the user's cap, not the arena's target
-    slack = fit_slack(p, options.streams)
+    slack = fit_slack(p, options.streams, work)
     first_s = None
 
     built: dict[tuple[int, int], Plan] = {}  # (solver cap, id of the hint): the heuristic's plan
@@ -170,32 +198,43 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         return plan
 
     def final(target: int, hint: Schedule | None) -> Plan:
-        """CP-SAT from the hint; without CP-SAT (time limit 0) the heuristic's plan, built once."""
+        """CP-SAT from the hint for what is left of the time limit; without CP-SAT (time limit 0) the
+        heuristic's plan, built once."""
         if options.time_limit_s <= 0 and hint is not None and (target, id(hint)) in built:
             return built[target, id(hint)]
-        return _solve_under(graph, p, target, base, base_peak, bounds, options, on_progress, hint, fits,
-                            own_bound=target == cap_bytes)
+        limit, charged = options.time_limit_s, charged_s(work)
+        search_s = max(limit - charged, limit * MIN_SEARCH_SHARE)
+        plan = _solve_under(graph, p, target, base, base_peak, bounds, replace(options, time_limit_s=search_s),
+                            on_progress, hint, fits, own_bound=target == cap_bytes)
+        if limit > 0:
+            plan.totals.status += (f"; the search had {search_s:.1f} s of the {limit:g} s limit, the heuristic's "
+                                   f"work {charged:.1f} s")
+        return plan
 
     def done(plan: Plan) -> Plan:
         plan.totals.first_plan_s = first_s if first_s is not None else time.monotonic() - t0
         return plan
 
     if base_peak <= cap_bytes:  # the peak does not bind; the arena, in driver pages, may still
-        hint = best_heuristic(p, cap_bytes, options.streams, slack)
+        hint = best_heuristic(p, cap_bytes, options.streams, slack, work=work)
         if hint is not None and fits(first(cap_bytes, hint)):
             return done(final(cap_bytes, hint))
-    target, hint = _arena_fit(graph, p, cap_bytes, cap_bytes, options.streams, slack, QUICK_EVALS)
+    def arena_fit(start_bytes: int, max_evals: int) -> tuple[int, Schedule | None]:
+        return _arena_fit(graph, p, cap_bytes, start_bytes, options.streams, slack, max_evals, fits, work)
+
+    target, hint = arena_fit(cap_bytes, QUICK_EVALS)
     if hint is not None:
         first(target, hint)
-        fuller = _arena_fit(graph, p, cap_bytes, target, options.streams, slack, FIT_EVALS)
+        fuller = arena_fit(target, FIT_EVALS)
         if fuller[1] is not None and cost(p, fuller[1]) <= cost(p, hint):
             target, hint = fuller
     else:
-        target, hint = _arena_fit(graph, p, cap_bytes, cap_bytes, options.streams, slack, FIT_EVALS)
+        target, hint = arena_fit(cap_bytes, FIT_EVALS)
     plan = final(target, hint)
     if hint is None and not fits(plan):
+        need = device_bytes(graph, plan)
         raise CapTooSmall(f"CP-SAT's plan peaks under the cap {fmt_bytes(cap_bytes)} but its arena needs "
-                          f"{fmt_bytes(device_bytes(graph, plan))}; try a larger cap", device_bytes(graph, plan))
+                          f"{fmt_bytes(need)}; try a larger cap", need)
     if target < cap_bytes:
         plan.totals.status += f"; solved under {fmt_bytes(target)} so that the runner's arena fits the cap"
     plan.totals.mem_cap_bytes = cap_bytes
@@ -203,7 +242,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
 
 
 def _arena_fit(graph: Graph, p: Problem, cap_bytes: int, start_bytes: int, streams: int, slack: float,
-               max_evals: int) -> tuple[int, Schedule | None]:
+               max_evals: int, fits: Callable[[Plan], bool], work: Work) -> tuple[int, Schedule | None]:
     """The largest solver cap, stepping down from `start_bytes`, whose heuristic plan (fit_cap with
     `max_evals`) the runner can lay out within the user's cap: placement leaves gaps (3-5% over the peak on
     capped training plans, more as offloads multiply), so a plan whose peak meets the cap exactly may not fit
@@ -212,10 +251,10 @@ def _arena_fit(graph: Graph, p: Problem, cap_bytes: int, start_bytes: int, strea
     room = cap_bytes - p.resident_bytes
     for k in range(ARENA_STEPS):
         target = start_bytes - int(k * ARENA_STEP * room)
-        hint = best_heuristic(p, target, streams, slack, max_evals)
+        hint = best_heuristic(p, target, streams, slack, max_evals, work)
         if hint is None:
             break
-        if device_bytes(graph, _plan_of(graph, p, hint, target, streams)) <= cap_bytes:
+        if fits(_plan_of(graph, p, hint, target, streams)):
             return target, hint
     return cap_bytes, None  # no heuristic plan fits: CP-SAT alone, or the computed minimum cap
 
@@ -323,14 +362,15 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
     return found, bound
 
 
-def fit_slack(p: Problem, streams: int) -> float:
+def fit_slack(p: Problem, streams: int, work: Work | None = None) -> float:
     """The slack of LIST_SLACKS whose list schedule without a cap is shortest: the one heuristic.fit_cap searches
     its decisions at (GoogLeNet training b32 at 50%: 5462 us fitted at slack 1.0, 5110 us at 2.0)."""
-    return min(LIST_SLACKS, key=lambda slack: (list_schedule(p, float("inf"), streams, {}, slack).makespan, slack))
+    return min(LIST_SLACKS, key=lambda slack: (list_schedule(p, float("inf"), streams, {}, slack, work).makespan,
+                                               slack))
 
 
-def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float, max_evals: int = FIT_EVALS
-                   ) -> Schedule | None:
+def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float, max_evals: int = FIT_EVALS,
+                   work: Work | None = None) -> Schedule | None:
     """The keep/offload/recompute decisions heuristic.fit_cap finds at `slack`, once for each of COPY_MARGINS,
     list-scheduled at each of LIST_SLACKS: the shortest that fits the cap (checked again on the schedule's own
     residencies), or None. Why the margin: copies run one at a time per direction, so when a plan's offloads
@@ -339,11 +379,11 @@ def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float, max_e
     Decisions chosen with dearer copies offload less (there: 138 MiB instead of 187 MiB, 0.3% shorter predicted)."""
     best = None
     for margin in COPY_MARGINS:
-        fitted = fit_cap(with_copy_margin(p, margin), cap_bytes, streams, max_evals, slack)
+        fitted = fit_cap(with_copy_margin(p, margin), cap_bytes, streams, max_evals, slack, work)
         if fitted is None:
             continue
         for other in LIST_SLACKS:
-            out = list_schedule(p, cap_bytes, streams, fitted.schedule.decision, other)
+            out = list_schedule(p, cap_bytes, streams, fitted.schedule.decision, other, work)
             if out.fits and (best is None or cost(p, out.schedule) < cost(p, best.schedule)):
                 if peak_memory(p, out.schedule.decision, timed(p, out.schedule))[0] <= cap_bytes:
                     best = out

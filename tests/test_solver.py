@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +22,12 @@ from planner.files import PlannerError, load_model
 from planner.ir import Graph
 from planner.memsize import parse_size, parse_sizes
 from planner.onnx_import import import_onnx
-from planner.heuristic import fit_cap, list_schedule
+from planner.heuristic import Work, fit_cap, list_schedule
 from planner.problem import Alternative, Op, Problem, TensorUse, build_problem
 from planner.schedule import peak_memory, residency, timed
 from planner.profile import Profile
-from planner.solve import (LIST_SLACKS, CapTooSmall, Options, best_heuristic, device_bytes, fit_slack, solve_plan,
-                           with_copy_margin)
+from planner.solve import (LIST_S_PER_JOB, LIST_SLACKS, CapTooSmall, Options, best_heuristic, charged_s, device_bytes,
+                           fit_slack, solve_plan, with_copy_margin)
 from planner.stats import serial_peak_bytes
 from planner.streams import build_plan
 from planner.training import build_training
@@ -433,6 +434,25 @@ def test_the_first_valid_plan_is_handed_on_before_the_search_ends(googlenet_trai
     assert plan.totals.predicted_us <= first.totals.predicted_us
 
 
+def test_the_time_limit_charges_the_heuristic_work_by_its_counts(googlenet_train_b1):
+    """The search gets what the heuristic's work leaves of the limit, that work counted in jobs, layouts and
+    setups rather than timed: the same seconds on every run, so the plans repeat."""
+    g = googlenet_train_b1
+    prof = estimate_profile(g, H100)
+    p = build_problem(g, prof)
+    work = Work()
+    list_schedule(p, 1 << 60, 4, {}, 1.0, work)
+    assert work.jobs == len(p.ops) and charged_s(work) == pytest.approx(len(p.ops) * LIST_S_PER_JOB)
+    cap = p.resident_bytes + int((serial_peak_bytes(g) - p.resident_bytes) * 0.8)
+    plans = [solve_plan(g, prof, cap, Options(time_limit_s=4, workers=1, concat="copy")) for _ in range(2)]
+    found = re.search(r"search had ([0-9.]+) s of the 4 s limit, the heuristic's work ([0-9.]+) s",
+                      plans[0].totals.status)
+    searched, charged = map(float, found.groups())
+    assert charged > 0 and searched == pytest.approx(max(4 - charged, 0.4), abs=0.05)
+    assert plans[0].totals.status == plans[1].totals.status
+    assert plans[0].totals.makespan_us == plans[1].totals.makespan_us
+
+
 def test_without_cp_sat_the_first_plan_is_the_plan(googlenet_train_b1):
     """--time-limit 0: the heuristic's plan handed on first is returned as it is, not built a second time."""
     prof = estimate_profile(googlenet_train_b1, H100)
@@ -496,8 +516,9 @@ def test_concat_auto_solves_the_way_whose_uncapped_list_schedule_is_faster():
     prof = estimate_profile(g, h100)
     options = Options(time_limit_s=0)
     views = concat_view_candidates(g)
-    as_views = _list_schedule_us(with_concat_views(g, views), prof.model_copy(update={"graph_sha256": None}), options)
-    copied = _list_schedule_us(g, prof, options)
+    as_views = _list_schedule_us(with_concat_views(g, views), prof.model_copy(update={"graph_sha256": None}), options,
+                                 Work())
+    copied = _list_schedule_us(g, prof, options, Work())
     plan = solve_plan(g, prof, h100.memory_bytes, options)
     assert bool(plan.concat_views) == (as_views < copied)
     assert f"as views {as_views:.1f} us, copied {copied:.1f} us" in plan.totals.status
