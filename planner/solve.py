@@ -192,7 +192,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         plan.totals.mem_cap_bytes = cap_bytes
         built[target, id(hint)] = plan
         if fits(plan) and first_s is None:
-            first_s = plan.totals.first_plan_s = time.monotonic() - t0
+            first_s = plan.totals.first_plan_s = plan.totals.solve_time_s = time.monotonic() - t0
             if on_plan:
                 on_plan(plan)
         return plan
@@ -219,6 +219,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         hint = best_heuristic(p, cap_bytes, options.streams, slack, work=work)
         if hint is not None and fits(first(cap_bytes, hint)):
             return done(final(cap_bytes, hint))
+
     def arena_fit(start_bytes: int, max_evals: int) -> tuple[int, Schedule | None]:
         return _arena_fit(graph, p, cap_bytes, start_bytes, options.streams, slack, max_evals, fits, work)
 
@@ -274,7 +275,6 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
     horizon = hint.makespan(p) if hint else _loose_horizon(p)
     bounds = dict(bounds)
     tick = p.tick_us
-    t0 = time.monotonic()
 
     def progress(makespan_ticks: int, bound_ticks: int, elapsed_s: float) -> None:
         if on_progress:
@@ -299,7 +299,7 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
         totals = Totals(makespan_us=0.0, peak_bytes=0, mem_cap_bytes=cap_bytes, lower_bound_us=max(bounds.values()),
                         bounds_us=bounds, solver_makespan_us=schedule.makespan(p) * tick,
                         baseline_makespan_us=sum(o.alternatives[a].time_us for o, a in zip(p.ops, base.alt)),
-                        baseline_peak_bytes=base_peak, status=status, gap=0.0, solve_time_s=time.monotonic() - t0)
+                        baseline_peak_bytes=base_peak, status=status, gap=0.0, solve_time_s=0.0)
         plan = build_plan(graph, replace(p, simplifications=p.simplifications + [REFINED] * refined), schedule,
                           totals, options.streams)
         if fits(plan):
