@@ -11,8 +11,11 @@ makespan); `head_tail` combines them all and is the strongest without a cap:
   streams        C >= sum of fastest times / streams
   disjunctive    C >= fastest times summed over big ops and one chain that can overlap neither them nor each other
   head_tail      C >= head(v) + fastest(v) + tail(v), heads and tails from window bounds (`heads_us`)
-  memory_cut     C + copy interference >= heads, tails and SM work plus what sending the bytes a cap forces off
-                 the device at a cut op costs at least (an LP; under a cap only)
+  chain_fill     C >= the longest chain plus what of the other ops cannot fit in the room beside it
+                 (`planner.chain_fill`, an LP)
+  memory_cut     C + copy interference >= heads, tails and SM work (on the strongest cuts, the chain and its
+                 fillers) plus what sending the bytes a cap forces off the device at a cut op costs at least (an
+                 LP; under a cap only)
 
 Window bounds: every op of a set S that runs within a window of length L gives L >= sum over S of base weights
 + the heaviest chain in S of chain weights (`Window`). Rates make the base weights (`rates`), big ops and
@@ -25,14 +28,15 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-from scipy.optimize import linprog
 
+from planner.chain_fill import LP, Filler, add_chain_fill, longest_path
 from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
 
 Rate = Callable[[Alternative], float]  # an alternative's share of the GPU per us it runs
 Window = tuple[np.ndarray, np.ndarray | None]  # (base weight per op, chain weight per op or None), in us
 DFF_EPSILONS = (10, 20, 30, 40, 50)  # `dff` thresholds, in SM_CAPACITY units
 CLIQUE_THETAS = (1, 5, 20, 50)  # `clique_window` thresholds, in SM_CAPACITY units
+CHAIN_FILL_CUTS = 2  # cuts whose memory_cut also takes `chain_fill`'s rows (the strongest; each ~0.5 s on ResNet-50)
 CHAIN_CELLS = 1 << 23  # cells of chain matrices `heads_us` keeps (64 MiB): all five up to ~1300 ops
 SINK = Alternative("sink", 0.0, 0, 0, 0)
 
@@ -113,8 +117,9 @@ def lower_bounds_us(p: Problem, streams: int, cap_bytes: int | None = None) -> d
     if p.ops:
         bounds["disjunctive"] = disjunctive_us(dag)
         heads, tails, bounds["head_tail"] = heads_tails_us(dag, streams, dram)
+        bounds["chain_fill"] = chain_fill_us(dag, dag.ancestors(), streams, dram)
         if cap_bytes is not None and any(t.choosable for t in p.tensors):
-            bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, heads, tails)
+            bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, heads, tails, streams, dram)
     return bounds
 
 
@@ -317,46 +322,61 @@ class Cut:
         return cls(v, held, away, sum(p.tensors[t].bytes for t in away))
 
 
-def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, heads: np.ndarray, tails: np.ndarray) -> float:
+def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, heads: np.ndarray, tails: np.ndarray, streams: int,
+                  dram: bool = False) -> float:
     """C + copy interference >= the least, over fractional offload o_t and recompute r_t of the `Cut`'s away
     tensors freeing sum (o_t + r_t) bytes_t >= held + away bytes - cap, of H + A + copy_interference x sum o_t
     (d2h_t + h2d_t), for the cut op that gives most; H = start(v), A = C - start(v):
       H >= head(v);  H >= the earliest end of their producers + sum o_t d2h_t   (one copy engine, done by start(v))
       A >= fastest(v) + tail(v);  A >= sum o_t h2d_t + least fastest + tail of a backward reader   (copies back)
       A >= SM work of v and its descendants + sum r_t x the recomputation's SM work   (recomputations after start(v))
-    Offloading and recomputing only add work, so nothing else changes; the relaxation is a linear program."""
+    Offloading and recomputing only add work, so nothing else changes; the relaxation is a linear program. On the
+    CHAIN_FILL_CUTS cuts that give most, A also bounds `chain_fill` over v and its descendants, the recomputations
+    among the fillers (each a share r_t of itself)."""
     fastest, area = dag.fastest_us(), dag.least(sm_share)
     pos = {op: k for k, op in enumerate(dag.order)}
     anc = dag.ancestors()
-    best = 0.0
+    related = anc | anc.T
+    programs = []
     for cut in cuts(p, dag, anc):
-        v = cut.v
-        away, excess = [p.tensors[t] for t in cut.away], cut.excess_bytes(cap_bytes)
+        v, excess = cut.v, cut.excess_bytes(cap_bytes)
         if excess <= 0:
             continue
-        k, sizes = len(away), np.array([t.bytes for t in away], float)
-        copy_out = np.array([t.d2h_us if t.can_offload else 0.0 for t in away])
-        copy_back = np.array([t.h2d_us if t.can_offload else 0.0 for t in away])
-        recompute = np.array([t.recompute.time_us * sm_share(t.recompute) if t.can_recompute else 0.0 for t in away])
+        away = [p.tensors[t] for t in cut.away]
+        lp = LP()
+        o = lp.columns(len(away))
+        r = lp.columns(len(away))
+        h = lp.columns(1, cost=1.0, lower=float(heads[v]))
+        a = lp.columns(1, cost=1.0, lower=float(fastest[v] + tails[v]))
+        for i, t in enumerate(away):
+            lp.bounds[o + i], lp.bounds[r + i] = (0.0, float(t.can_offload)), (0.0, float(t.can_recompute))
+            lp.cost[o + i] = p.device.copy_interference * (t.d2h_us + t.h2d_us) if t.can_offload else 0.0
+            lp.row({o + i: 1.0, r + i: 1.0}, 1.0)
         made = min((heads[pos[t.producer]] + fastest[pos[t.producer]] if t.producer is not None else 0.0)
                    for t in away)
         back = min(fastest[pos[c]] + tails[pos[c]] for t in away for c in t.late)
-        after = float(area[v] + area[anc[:, v]].sum())
-        zeros = np.zeros(k)
-        h, a = np.eye(2)[0], np.eye(2)[1]
-        rows = [  # each row . (o, r, H, A) <= rhs
-            (np.r_[copy_out, zeros, -h], -made), (np.r_[copy_back, zeros, -a], -back),
-            (np.r_[zeros, recompute, -a], -after),
-            (np.r_[-sizes, -sizes, 0, 0], -excess)]
-        rows += [(np.r_[np.eye(k)[i], np.eye(k)[i], 0, 0], 1.0) for i in range(k)]
-        bounds = [(0, 1 if t.can_offload else 0) for t in away] + [(0, 1 if t.can_recompute else 0) for t in away]
-        bounds += [(heads[v], None), (fastest[v] + tails[v], None)]
-        cost = np.r_[p.device.copy_interference * (copy_out + copy_back), zeros, 1.0, 1.0]
-        lp = linprog(cost, A_ub=np.array([r for r, _ in rows]), b_ub=np.array([b for _, b in rows]), bounds=bounds,
-                     method="highs")
-        if lp.status == 0:
-            best = max(best, float(lp.fun))
-    return best
+        lp.row({**{o + i: t.d2h_us for i, t in enumerate(away) if t.can_offload}, h: -1.0}, -made)
+        lp.row({**{o + i: t.h2d_us for i, t in enumerate(away) if t.can_offload}, a: -1.0}, -back)
+        lp.row({**{r + i: t.recompute.time_us * sm_share(t.recompute) for i, t in enumerate(away)
+                   if t.can_recompute}, a: -1.0}, -float(area[v] + area[anc[:, v]].sum()))
+        lp.row({**{o + i: -float(t.bytes) for i, t in enumerate(away)},
+                **{r + i: -float(t.bytes) for i, t in enumerate(away)}}, -float(excess))
+        best = lp.solve()
+        if best is not None:
+            programs.append((best, v, away, lp, r, a))
+    programs.sort(key=lambda x: -x[0])
+    for k, (best, v, away, lp, r, a) in enumerate(programs[:CHAIN_FILL_CUTS]):
+        path, fillers = _chain_and_fillers(dag, related, np.r_[v, np.flatnonzero(anc[:, v])])  # v, descendants
+        for i, t in enumerate(away):  # a recomputation ends before its backward readers start
+            if t.can_recompute:
+                readers = [pos[c] for c in t.late]
+                ahead = np.array([not any(u == c or anc[u, c] for c in readers) for u in path])
+                fillers.append(Filler([t.recompute], ahead, budget=r + i))
+        add_chain_fill(lp, [dag.alts[u] for u in path], fillers, streams, rates(streams, dram), a)
+        stronger = lp.solve()
+        if stronger is not None:
+            programs[k] = (max(best, stronger), *programs[k][1:])
+    return max((best for best, *_ in programs), default=0.0)
 
 
 def worst_cut(p: Problem, cap_bytes: int) -> tuple[int, set[int]]:
@@ -366,3 +386,21 @@ def worst_cut(p: Problem, cap_bytes: int) -> tuple[int, set[int]]:
     for cut in cuts(p, dag, dag.ancestors()):
         worst = max(worst, (cut.excess_bytes(cap_bytes), set(cut.away)), key=lambda w: w[0])
     return worst
+
+
+def chain_fill_us(dag: Dag, anc: np.ndarray, streams: int, dram: bool = False) -> float:
+    """`chain_fill`'s bound on the whole DAG."""
+    path, fillers = _chain_and_fillers(dag, anc | anc.T, np.arange(len(dag.preds)))
+    lp = LP()
+    total = lp.columns(1, cost=1.0)
+    add_chain_fill(lp, [dag.alts[u] for u in path], fillers, streams, rates(streams, dram), total)
+    return lp.solve() or 0.0
+
+
+def _chain_and_fillers(dag: Dag, related: np.ndarray, ops: np.ndarray) -> tuple[np.ndarray, list[Filler]]:
+    """The longest chain through `ops` (positions in topological order) at the fastest times, and the other ops
+    as fillers beside the chain ops they are unrelated to."""
+    index = {int(w): i for i, w in enumerate(ops)}
+    path = ops[longest_path([[index[u] for u in dag.preds[w] if u in index] for w in ops], dag.fastest_us()[ops])]
+    on_path = set(path.tolist())
+    return path, [Filler(dag.alts[w], ~related[w, path]) for w in ops if w not in on_path]

@@ -37,8 +37,9 @@ WHOLE_MODEL_SHARE = 0.25  # ... for this share of the time limit
 QUICK_EVALS = 40  # fit_cap's budget for the first valid plan (its starts, no one-decision improvements)
 FIT_EVALS = 400  # ... and for the plan CP-SAT starts from
 LIST_S_PER_JOB = 16e-6  # the heuristic's work in seconds of the 2-core development machine (heuristic.Work): a job
-LAYOUT_S_PER_OP = 1.8e-4  # list-scheduled, an op laid out in an arena, an op of a problem built and bounded;
-SETUP_S_PER_OP = 1.8e-3  # measured on GoogLeNet and ResNet-50 training b32
+LAYOUT_S_PER_OP = 1.8e-4  # list-scheduled, an op laid out in an arena, an op of a problem built, an op of a
+SETUP_S_PER_OP = 3e-4  # problem bounded; measured on GoogLeNet and ResNet-50 training b32
+BOUND_S_PER_OP = 3e-3
 MIN_SEARCH_SHARE = 0.1  # the search gets at least this share of the time limit, whatever the heuristic took
 
 
@@ -138,7 +139,8 @@ def _list_schedule_us(graph: Graph, profile: Profile, options: Options, work: Wo
 def charged_s(work: Work) -> float:
     """The seconds the heuristic's work takes on the development machine, by its counts: what the time limit
     charges for it, the same on every run (a wall clock would make plans depend on the machine's load)."""
-    return work.jobs * LIST_S_PER_JOB + work.layouts * LAYOUT_S_PER_OP + work.setups * SETUP_S_PER_OP
+    return (work.jobs * LIST_S_PER_JOB + work.layouts * LAYOUT_S_PER_OP + work.setups * SETUP_S_PER_OP
+            + work.bounded * BOUND_S_PER_OP)
 
 
 def _framework_baseline(plan: Plan, copying: Plan) -> Plan:
@@ -180,6 +182,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         return device_bytes(graph, plan) <= cap_bytes
 
     bounds = lower_bounds_us(p, options.streams, cap_bytes)  # under the user's cap, not the arena's target
+    work.bounded += len(p.ops)
     slack = fit_slack(p, options.streams, work)
     first_s = None
 

@@ -57,13 +57,28 @@ def test_a_big_op_beside_a_chain_runs_alone():
 
 
 def test_heads_add_a_window_of_wide_ops_to_the_chain_before_it():
-    """x -> (y1, y2) -> z: y1 and y2 take 60% each so run one after the other, 10 + 20 + 10. Only the head of z
-    (x's end, then both y's energy counted by the DFF at 50%) sees it; the other bounds stop at 30."""
+    """x -> (y1, y2) -> z: y1 and y2 take 60% each so run one after the other, 10 + 20 + 10. The head of z (x's
+    end, then both y's energy counted by the DFF at 50%) sees it, and so does the chain x, y1, z with y2 fitting
+    nowhere beside it; the other bounds stop at 30."""
     p = tiny([op("x", 10, 10, []), op("y1", 10, 60, [0]), op("y2", 10, 60, [0]), op("z", 10, 10, [1, 2])])
     bounds = lower_bounds_us(p, 4)
     assert brute_force_makespan(p, 4) == 40
-    assert bounds["head_tail"] == 40
-    assert max(v for k, v in bounds.items() if k != "head_tail") == 30
+    assert bounds["head_tail"] == bounds["chain_fill"] == 40
+    assert max(v for k, v in bounds.items() if k not in ("head_tail", "chain_fill")) == 30
+
+
+def test_the_chain_counts_what_cannot_fit_beside_it():
+    """c0 -> c1 fill the GPU at 10 us each, or leave half of it free at 18 us; f0 and f1 fit beside the narrow
+    ones only on their slow 20% alternatives. Least areas (20.4) pretend the fillers pack anywhere; the chain with
+    its fillers placed by room says 23.1 (optimum 28)."""
+    p = tiny([Op("c0", "relu", "forward", [Alternative("a", 10, 10, 0, 100), Alternative("b", 18, 18, 0, 50)], []),
+              Op("c1", "relu", "forward", [Alternative("a", 10, 10, 0, 100), Alternative("b", 18, 18, 0, 40)], [0]),
+              Op("f0", "relu", "forward", [Alternative("a", 6, 6, 0, 30), Alternative("b", 10, 10, 0, 20)], []),
+              Op("f1", "relu", "forward", [Alternative("a", 8, 8, 0, 30), Alternative("b", 20, 20, 0, 20)], [])])
+    bounds = lower_bounds_us(p, 4)
+    assert max(v for k, v in bounds.items() if k != "chain_fill") == pytest.approx(20.4)
+    assert bounds["chain_fill"] == pytest.approx(23.111, abs=1e-3)
+    assert brute_force_makespan(p, 4) == 28
 
 
 def test_the_bounds_do_not_depend_on_the_order_of_the_ops():
@@ -115,6 +130,24 @@ def test_the_memory_cut_is_at_most_the_optimum_under_a_binding_cap(seed):
     assert result.status == "OPTIMAL", (cap, result.status)
     bounds = lower_bounds_us(p, 4, cap)
     assert bounds["memory_cut"] <= result.schedule.makespan(p) + 1e-6
+
+
+@pytest.mark.parametrize("seed", [0, 1, 35, 38, 54, 58])
+def test_the_memory_cut_with_recomputations_beside_the_chain_stays_under_the_optimum(seed, monkeypatch):
+    """With room beside the chain's ops, recomputations may fill it: the cut's chain-and-fillers rows count only
+    what cannot, and raise the bound (these seeds) without passing the optimum."""
+    rng = random.Random(seed)
+    p = random_chain(rng)
+    for o in p.ops:
+        o.alternatives = [replace(a, sm_demand=rng.choice([40, 60, 70, 100])) for a in o.alternatives]
+    keep_all = list_schedule(p, float("inf"), 4, {}).schedule
+    cap = rng.randint(memory_lower_bound(p)[0] + 500, peak_memory(p, {}, timed(p, keep_all))[0])
+    result = solve_tiny(p, cap, 4)
+    assert result.status == "OPTIMAL"
+    with_chain = lower_bounds_us(p, 4, cap)["memory_cut"]
+    assert with_chain <= result.schedule.makespan(p) + 1e-6
+    monkeypatch.setattr("planner.bounds.CHAIN_FILL_CUTS", 0)
+    assert lower_bounds_us(p, 4, cap)["memory_cut"] < with_chain
 
 
 def slow_copy_chain(depth: int) -> Problem:
