@@ -117,9 +117,10 @@ def lower_bounds_us(p: Problem, streams: int, cap_bytes: int | None = None) -> d
     if p.ops:
         bounds["disjunctive"] = disjunctive_us(dag)
         heads, tails, bounds["head_tail"] = heads_tails_us(dag, streams, dram)
-        bounds["chain_fill"] = chain_fill_us(dag, dag.ancestors(), streams, dram)
+        anc = dag.ancestors()
+        bounds["chain_fill"] = chain_fill_us(dag, anc, streams, dram)
         if cap_bytes is not None and any(t.choosable for t in p.tensors):
-            bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, heads, tails, streams, dram)
+            bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, anc, heads, tails, streams, dram)
     return bounds
 
 
@@ -322,8 +323,8 @@ class Cut:
         return cls(v, held, away, sum(p.tensors[t].bytes for t in away))
 
 
-def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, heads: np.ndarray, tails: np.ndarray, streams: int,
-                  dram: bool = False) -> float:
+def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: np.ndarray, tails: np.ndarray,
+                  streams: int, dram: bool = False) -> float:
     """C + copy interference >= the least, over fractional offload o_t and recompute r_t of the `Cut`'s away
     tensors freeing sum (o_t + r_t) bytes_t >= held + away bytes - cap, of H + A + copy_interference x sum o_t
     (d2h_t + h2d_t), for the cut op that gives most; H = start(v), A = C - start(v):
@@ -335,7 +336,6 @@ def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, heads: np.ndarray, tails
     among the fillers (each a share r_t of itself)."""
     fastest, area = dag.fastest_us(), dag.least(sm_share)
     pos = {op: k for k, op in enumerate(dag.order)}
-    anc = dag.ancestors()
     related = anc | anc.T
     programs = []
     for cut in cuts(p, dag, anc):

@@ -324,9 +324,9 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slac
 
     Starts: recompute the cheapest (per byte) that free the tightest cut's excess (`cheapest_cover`), or, for
     each RECOMPUTE_LIMITS bound, every tensor that cheap; then offload the fewest other saved tensors, earliest
-    made first (their copies have the longest to hide in), that make the list schedule fit (bisection). The shortest start is improved one decision at a time (keep, offload,
-    recompute), kept when it still fits and gets shorter. Deterministic: a budget of schedule evaluations, not
-    of seconds.
+    made first (their copies have the longest to hide in), that make the list schedule fit (bisection). The
+    shortest start is improved one decision at a time (keep, offload, recompute), kept when it still fits and
+    gets shorter. Deterministic: a budget of schedule evaluations, not of seconds.
     """
     evals = 0
 

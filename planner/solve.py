@@ -36,10 +36,12 @@ WHOLE_MODEL_OPS = 200  # problems up to this size go to CP-SAT whole first (`_se
 WHOLE_MODEL_SHARE = 0.25  # ... for this share of the time limit
 QUICK_EVALS = 40  # fit_cap's budget for the first valid plan (its starts, no one-decision improvements)
 FIT_EVALS = 400  # ... and for the plan CP-SAT starts from
-LIST_S_PER_JOB = 16e-6  # the heuristic's work in seconds of the 2-core development machine (heuristic.Work): a job
-LAYOUT_S_PER_OP = 1.8e-4  # list-scheduled, an op laid out in an arena, an op of a problem built, an op of a
-SETUP_S_PER_OP = 3e-4  # problem bounded; measured on GoogLeNet and ResNet-50 training b32
-BOUND_S_PER_OP = 3e-3
+# The heuristic's work (heuristic.Work) in seconds of the 2-core development machine, measured on GoogLeNet and
+# ResNet-50 training b32:
+LIST_S_PER_JOB = 16e-6  # a job list-scheduled
+LAYOUT_S_PER_OP = 1.8e-4  # an op laid out in an arena
+SETUP_S_PER_OP = 3e-4  # an op of a problem built
+BOUND_S_PER_OP = 3e-3  # an op of a problem bounded (lower_bounds_us under a cap, chain_fill's LPs included)
 MIN_SEARCH_SHARE = 0.1  # the search gets at least this share of the time limit, whatever the heuristic took
 
 
