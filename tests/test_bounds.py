@@ -9,7 +9,8 @@ import pytest
 from test_solver import H100, brute_force_makespan, chain_problem, random_problem, solve_tiny
 
 from planner import solve
-from planner.bounds import Dag, head_tail_us, lower_bounds_us, memory_lower_bound
+from planner.bounds import (Dag, head_tail_us, heads_tails_us, lower_bounds_us, memory_lower_bound,
+                            segment_heads_tails, separators)
 from planner.heuristic import list_schedule
 from planner.problem import Alternative, Op, Problem
 from planner.schedule import peak_memory, timed
@@ -79,6 +80,31 @@ def test_the_chain_counts_what_cannot_fit_beside_it():
     assert max(v for k, v in bounds.items() if k != "chain_fill") == pytest.approx(20.4)
     assert bounds["chain_fill"] == pytest.approx(23.111, abs=1e-3)
     assert brute_force_makespan(p, 4) == 28
+
+
+def fit_block(first: int, after: list[int]) -> list[Op]:
+    """`test_the_chain_counts_what_cannot_fit_beside_it`'s four ops, from position `first`, after the ops `after`."""
+    return [Op("c0", "relu", "forward", [Alternative("a", 10, 10, 0, 100), Alternative("b", 18, 18, 0, 50)], after),
+            Op("c1", "relu", "forward", [Alternative("a", 10, 10, 0, 100), Alternative("b", 18, 18, 0, 40)], [first]),
+            Op("f0", "relu", "forward", [Alternative("a", 6, 6, 0, 30), Alternative("b", 10, 10, 0, 20)], after),
+            Op("f1", "relu", "forward", [Alternative("a", 8, 8, 0, 30), Alternative("b", 20, 20, 0, 20)], after)]
+
+
+def test_segments_run_one_after_another():
+    """Two such blocks, the second after all of the first: no op is a cut between them, but position 4 separates
+    them, and each op of the second starts after the first block's chain_fill bound (23.1), which the window heads
+    (20.4) do not see; each op of the first ends that long before the end."""
+    p = tiny(fit_block(0, []) + fit_block(4, [1, 2, 3]))
+    dag = Dag.of(p)
+    anc = dag.ancestors()
+    assert separators(anc) == [4]
+    heads, tails, _ = heads_tails_us(dag, 4)
+    raised_heads, raised_tails, total = segment_heads_tails(dag, anc, heads, tails, 4)
+    assert heads[4] == pytest.approx(20.4)
+    assert raised_heads[4] == pytest.approx(23.111, abs=1e-3)
+    assert all(raised_heads[4:] >= raised_heads[4])
+    assert all(raised_tails[:4] >= 23.111)
+    assert total == lower_bounds_us(p, 4)["head_tail"] == pytest.approx(2 * 23.111, abs=1e-3)
 
 
 def test_the_bounds_do_not_depend_on_the_order_of_the_ops():
