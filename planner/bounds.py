@@ -286,7 +286,7 @@ def segment_heads_tails(dag: Dag, anc: np.ndarray, heads: np.ndarray, tails: np.
     """(heads, tails, the segments' bounds summed): the segments between `separators` run one after another, so
     an op starts after the bounds of the segments before its own (`segment_us`) add up, and ends before those
     after it. The window bounds of `heads_us` count SM work, not chain_fill's fit (GoogLeNet training b32: the
-    head of the loss 9.4 us higher). One segment, the whole DAG, adds nothing to the other bounds."""
+    head of the loss 9.7 us higher). One segment, the whole DAG, adds nothing to the other bounds."""
     edges = [0, *separators(anc), len(anc)]
     if len(edges) == 2:
         return heads, tails, 0.0
