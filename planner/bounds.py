@@ -270,12 +270,10 @@ def separators(anc: np.ndarray) -> list[int]:
 
 def segment_us(dag: Dag, anc: np.ndarray, first: int, end: int, streams: int, dram: bool) -> float:
     """A bound on the time the ops at positions [first, end) take, alone: head_tail and chain_fill of their own
-    DAG up to SEGMENT_OPS ops, the chain and the SM work past that."""
-    if end - first == 1:
-        return min(a.time_us for a in dag.alts[first])
+    DAG from 2 up to SEGMENT_OPS ops, the chain and the SM work otherwise (one op: its fastest time)."""
     sub = Dag([[u - first for u in dag.preds[v] if u >= first] for v in range(first, end)], dag.alts[first:end])
     chain_and_work = max(_longest_chain_us(sub, sub.fastest_us()), float(sub.least(sm_share).sum()))
-    if end - first > SEGMENT_OPS:
+    if not 1 < end - first <= SEGMENT_OPS:
         return chain_and_work
     return max(chain_and_work, head_tail_us(sub, streams, dram),
                chain_fill_us(sub, anc[first:end, first:end], streams, dram))

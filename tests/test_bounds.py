@@ -68,26 +68,23 @@ def test_heads_add_a_window_of_wide_ops_to_the_chain_before_it():
     assert max(v for k, v in bounds.items() if k not in ("head_tail", "chain_fill")) == 30
 
 
-def test_the_chain_counts_what_cannot_fit_beside_it():
-    """c0 -> c1 fill the GPU at 10 us each, or leave half of it free at 18 us; f0 and f1 fit beside the narrow
-    ones only on their slow 20% alternatives. Least areas (20.4) pretend the fillers pack anywhere; the chain with
-    its fillers placed by room says 23.1 (optimum 28)."""
-    p = tiny([Op("c0", "relu", "forward", [Alternative("a", 10, 10, 0, 100), Alternative("b", 18, 18, 0, 50)], []),
-              Op("c1", "relu", "forward", [Alternative("a", 10, 10, 0, 100), Alternative("b", 18, 18, 0, 40)], [0]),
-              Op("f0", "relu", "forward", [Alternative("a", 6, 6, 0, 30), Alternative("b", 10, 10, 0, 20)], []),
-              Op("f1", "relu", "forward", [Alternative("a", 8, 8, 0, 30), Alternative("b", 20, 20, 0, 20)], [])])
-    bounds = lower_bounds_us(p, 4)
-    assert max(v for k, v in bounds.items() if k != "chain_fill") == pytest.approx(20.4)
-    assert bounds["chain_fill"] == pytest.approx(23.111, abs=1e-3)
-    assert brute_force_makespan(p, 4) == 28
-
-
 def fit_block(first: int, after: list[int]) -> list[Op]:
-    """`test_the_chain_counts_what_cannot_fit_beside_it`'s four ops, from position `first`, after the ops `after`."""
+    """Chain ops c0 -> c1 and fillers f0, f1, from position `first`, after the ops `after`."""
     return [Op("c0", "relu", "forward", [Alternative("a", 10, 10, 0, 100), Alternative("b", 18, 18, 0, 50)], after),
             Op("c1", "relu", "forward", [Alternative("a", 10, 10, 0, 100), Alternative("b", 18, 18, 0, 40)], [first]),
             Op("f0", "relu", "forward", [Alternative("a", 6, 6, 0, 30), Alternative("b", 10, 10, 0, 20)], after),
             Op("f1", "relu", "forward", [Alternative("a", 8, 8, 0, 30), Alternative("b", 20, 20, 0, 20)], after)]
+
+
+def test_the_chain_counts_what_cannot_fit_beside_it():
+    """c0 -> c1 fill the GPU at 10 us each, or leave half of it free at 18 us; f0 and f1 fit beside the narrow
+    ones only on their slow 20% alternatives. Least areas (20.4) pretend the fillers pack anywhere; the chain with
+    its fillers placed by room says 23.1 (optimum 28)."""
+    p = tiny(fit_block(0, []))
+    bounds = lower_bounds_us(p, 4)
+    assert max(v for k, v in bounds.items() if k != "chain_fill") == pytest.approx(20.4)
+    assert bounds["chain_fill"] == pytest.approx(23.111, abs=1e-3)
+    assert brute_force_makespan(p, 4) == 28
 
 
 def test_segments_run_one_after_another():
