@@ -39,7 +39,7 @@ FIT_EVALS = 400  # ... and for the plan CP-SAT starts from
 # The heuristic's work (heuristic.Work) in seconds of the 2-core development machine, measured on GoogLeNet and
 # ResNet-50 training b32:
 LIST_S_PER_JOB = 16e-6  # a job list-scheduled
-LAYOUT_S_PER_OP = 1.8e-4  # an op laid out in an arena
+LAYOUT_S_PER_OP = 1.1e-4  # an op of a plan built and laid out until a placement order fits the cap (fits_device)
 SETUP_S_PER_OP = 3e-4  # an op of a problem built
 BOUND_S_PER_OP = 3e-3  # an op of a problem bounded (lower_bounds_us under a cap, chain_fill's LPs included)
 MIN_SEARCH_SHARE = 0.1  # the search gets at least this share of the time limit, whatever the heuristic took
@@ -50,6 +50,13 @@ def device_bytes(graph: Graph, plan: Plan) -> int:
     from runner.arena import device_bytes as arena_device_bytes  # pure Python; runner is imported lazily
 
     return arena_device_bytes(graph, plan)
+
+
+def fits_device(graph: Graph, plan: Plan, cap_bytes: int) -> bool:
+    """device_bytes(graph, plan) <= cap_bytes, sooner."""
+    from runner.arena import fits_device as arena_fits_device
+
+    return arena_fits_device(graph, plan, cap_bytes)
 
 
 class CapTooSmall(PlannerError):
@@ -181,7 +188,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
 
     def fits(plan: Plan) -> bool:
         work.layouts += len(p.ops)
-        return device_bytes(graph, plan) <= cap_bytes
+        return fits_device(graph, plan, cap_bytes)
 
     bounds = lower_bounds_us(p, options.streams, cap_bytes)  # under the user's cap, not the arena's target
     work.bounded += len(p.ops)
@@ -348,7 +355,8 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
     def windows(budget_s: float) -> float:
         start, how, _ = found[0]
         out, spent = refine(p, cap_bytes, options.streams, start, budget_s, options.seed,
-                            lambda ms, at: progress(ms, 0, elapsed + at), fits, min(options.workers, LANES))
+                            lambda ms, at: progress(ms, 0, elapsed + at), fits, min(options.workers, LANES),
+                            len(p.ops) * LAYOUT_S_PER_OP)
         if cost(p, out) < cost(p, start):
             found.insert(0, (out, f"{how}; refined window by window from {start.makespan(p) * p.tick_us:.1f} us",
                              True))

@@ -6,14 +6,17 @@ from __future__ import annotations
 import random
 
 import pytest
+from ortools.sat.python import cp_model
 
 from planner.check import check_plan
 from planner.heuristic import cost, fit_cap, list_schedule, serial
 from planner.plan import Totals
-from planner.refine import items_of, precedences, refine
+from planner.refine import (Memory, add_window_resources, apply, items_of, new_window, precedences, refine,
+                            solve_window)
 from planner.schedule import peak_memory, timed
 from planner.solve import best_heuristic, fit_slack
 from planner.streams import build_plan
+from planner.window_memory import add_window_memory, residencies
 from test_solver import EMPTY, brute_force_makespan, chain_problem, random_problem
 
 
@@ -95,3 +98,63 @@ def test_a_result_that_fails_the_arena_check_gives_way_to_an_earlier_kept_schedu
     fits = lambda s: cost(p, s) > cost(p, best)  # noqa: E731 - the best arena "overflows", every other fits
     fallback, _ = refine(p, 1 << 40, 3, start, budget_s=3, fits=fits)
     assert fits(fallback) and cost(p, fallback) <= cost(p, start)
+
+
+def _capped(seed):
+    """A random training problem, its tightest cap the heuristic fits (from 70% of the uncapped peak up), and
+    the heuristic's schedule under it."""
+    rng = random.Random(500 + seed)
+    p = random_problem(rng, n_ops=rng.randint(16, 30), n_alts=rng.randint(1, 3), training=True)
+    streams = rng.randint(2, 4)
+    uncapped = peak_memory(p, {}, timed(p, list_schedule(p, 1 << 40, streams, {}).schedule))[0]
+    share, start = 0.65, None
+    while start is None:
+        share += 0.05
+        cap = int(uncapped * share)
+        start = best_heuristic(p, cap, streams, fit_slack(p, streams))
+    return p, cap, streams, start
+
+
+def _windows(p, s, width):
+    items = items_of(p, s)
+    for at in range(0, len(items), max(1, width // 2)):
+        t0 = items[at].start
+        yield items, t0, max(t0 + 1, items[at + width].start if at + width < len(items) else s.makespan(p))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_window_with_memory_holds_its_own_schedule_and_its_moves_fit_the_cap(seed):
+    """The memory model of a window is exact where it matters: the schedule as it is satisfies it (with every
+    free item pinned where it starts, CP-SAT finds it feasible), and every move it returns keeps the whole
+    schedule under the cap."""
+    p, cap, streams, s = _capped(seed)
+    edges = precedences(p, s, items_of(p, s))
+    lives, room = residencies(p, s, items_of(p, s)), cap - p.resident_bytes
+    for items, t0, t1 in _windows(p, s, 8):
+        w = new_window(items, edges, t0, t1)
+        add_window_resources(w, items, streams)
+        add_window_memory(w, items, lives, t0, t1, room)
+        w.model.add(w.shift == 0)
+        for k, lits in w.present.items():
+            w.model.add(w.start[k] == items[k].start)
+            w.model.add(lits[items[k].chosen] == 1)
+        assert cp_model.CpSolver().solve(w.model) == cp_model.OPTIMAL
+        move, _ = solve_window(items, edges, t0, t1, streams, 0, memory=Memory(lives, room, lambda move: True))
+        if move is not None:
+            moved = apply(s, items, move)
+            assert peak_memory(p, moved.decision, timed(p, moved))[0] <= cap
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_window_whose_best_move_overflows_finds_one_that_fits_with_memory_modelled(seed):
+    p, cap, streams, s = _capped(seed)
+    edges, lives = precedences(p, s, items_of(p, s)), residencies(p, s, items_of(p, s))
+    rescued = 0
+    for items, t0, t1 in _windows(p, s, 8):
+        blind, _ = solve_window(items, edges, t0, t1, streams, 0)
+        if blind is None or peak_memory(p, s.decision, timed(p, apply(s, items, blind)))[0] <= cap:
+            continue
+        memory = Memory(lives, cap - p.resident_bytes, lambda move: True)
+        aware, _ = solve_window(items, edges, t0, t1, streams, 0, memory=memory)
+        rescued += aware is not None and cost(p, apply(s, items, aware)) < cost(p, s)
+    assert rescued >= 1

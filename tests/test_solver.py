@@ -27,7 +27,7 @@ from planner.problem import Alternative, Op, Problem, TensorUse, build_problem
 from planner.schedule import peak_memory, residency, timed
 from planner.profile import Profile
 from planner.solve import (LIST_S_PER_JOB, LIST_SLACKS, CapTooSmall, Options, best_heuristic, charged_s, device_bytes,
-                           fit_slack, solve_plan, with_copy_margin)
+                           fit_slack, fits_device, solve_plan, with_copy_margin)
 from planner.stats import serial_peak_bytes
 from planner.streams import build_plan
 from planner.training import build_training
@@ -194,6 +194,9 @@ def test_training_under_a_cap_offloads_or_recomputes_and_checks(googlenet_train_
     assert device_bytes(g, plan) <= cap  # the runner's arena (placement gaps included) fits too
     assert plan.totals.offloaded_bytes + plan.totals.recomputed_bytes > 0
     assert check_plan(plan).ok
+    need = device_bytes(g, plan)  # the quick check agrees with the runner's arena at and around it
+    for limit in (need - DRIVER_PAGE_BYTES, need - 1, need, need + DRIVER_PAGE_BYTES):
+        assert fits_device(g, plan, limit) == (need <= limit)
 
 
 def test_a_time_limit_of_zero_plans_with_the_heuristic_alone_without_or_tools():
