@@ -65,6 +65,9 @@ class Window:
 
     model: cp_model.CpModel
     shift: cp_model.IntVar
+    t0: int  # free items start in [t0, t1)
+    t1: int
+    span: tuple[int, int, int]  # (lo, E, reach): see new_window
     start: dict[int, object] = field(default_factory=dict)  # item -> start expression (free and shifted items)
     end: dict[int, object] = field(default_factory=dict)
     present: dict[int, list] = field(default_factory=dict)  # free item -> literal per alternative
@@ -115,7 +118,7 @@ def new_window(items: list[Item], edges: list[tuple[int, int]], t0: int, t1: int
         return None
     lo, latest, reach = _span(items, t0, t1)
     m = cp_model.CpModel()
-    w = Window(m, m.new_int_var(0, t1 - t0, "shift"))
+    w = Window(m, m.new_int_var(0, t1 - t0, "shift"), t0, t1, (lo, latest, reach))
     for k, it in enumerate(items):
         alt = it.alternatives[it.chosen]
         if it.start < t0 and it.end > lo:
@@ -232,7 +235,7 @@ def _solve_window(items: list[Item], edges: list[tuple[int, int]], t0: int, t1: 
         return None, 0.0
     add_window_resources(w, items, streams)
     if memory is not None:
-        add_window_memory(w, items, memory.lives, t0, t1, memory.room_bytes)
+        add_window_memory(w, items, memory.lives, memory.room_bytes)
     set_window_objective(w, items)
     solver = cp_model.CpSolver()
     prm = solver.parameters
@@ -301,15 +304,20 @@ def sweep(p: Problem, s: Schedule, items: list[Item], width: int, k: int, fruitl
             yield at, t0, t1, seen
 
 
+def _judged(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[Item], move: Move
+            ) -> tuple[Schedule, bool] | None:
+    """(the schedule with the move made, whether it fits the cap) if that is cheaper, else None."""
+    trial = apply(s, items, move)
+    if cost(p, trial) >= s_cost:
+        return None
+    return trial, peak_memory(p, trial.decision, timed(p, trial))[0] <= cap_bytes
+
+
 def _better(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[Item], move: Move | None
             ) -> Schedule | None:
     """The schedule with the move made, if that is cheaper and fits the cap."""
-    if move is None:
-        return None
-    trial = apply(s, items, move)
-    if cost(p, trial) < s_cost and peak_memory(p, trial.decision, timed(p, trial))[0] <= cap_bytes:
-        return trial
-    return None
+    judged = _judged(p, cap_bytes, s, s_cost, items, move) if move is not None else None
+    return judged[0] if judged is not None and judged[1] else None
 
 
 def _memory(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[Item]) -> Memory | None:
@@ -319,8 +327,8 @@ def _memory(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[
         return None
 
     def overflows(move: Move) -> bool:
-        trial = apply(s, items, move)
-        return cost(p, trial) < s_cost and peak_memory(p, trial.decision, timed(p, trial))[0] > cap_bytes
+        judged = _judged(p, cap_bytes, s, s_cost, items, move)
+        return judged is not None and not judged[1]
 
     return Memory(residencies(p, s, items), room, overflows)
 

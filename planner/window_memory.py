@@ -48,15 +48,13 @@ def residencies(p: Problem, s: Schedule, items: list) -> list[Residency]:
     return out
 
 
-def add_window_memory(w, items: list, lives: list[Residency], t0: int, t1: int, room_bytes: int) -> None:
+def add_window_memory(w, items: list, lives: list[Residency], room_bytes: int) -> None:
     """sum of the bytes of residencies and workspaces alive at any instant of [lo, E] <= room_bytes (the cap less
     resident bytes), each clipped to [lo, E] (refine.new_window): before lo nothing moves; after E only shifted
     items run, and every residency alive at an instant there was alive `shift` later before the move. One that
     spans [lo, E] whatever the shift only lowers the room."""
-    from planner.refine import _span  # the window's extent, as new_window computes it
-
-    lo, latest, reach = _span(items, t0, t1)
-    m, width = w.model, t1 - t0
+    lo, latest, reach = w.span
+    m, t0, t1, width = w.model, w.t0, w.t1, w.t1 - w.t0
 
     def clip(expr):
         """min(expr, E) for a shifted item's time."""

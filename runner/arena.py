@@ -85,20 +85,23 @@ def persistent_tensors(graph: Graph) -> list[Tensor]:
     return [t for t in graph.tensors.values() if t.alias_of is None and t.persistent]
 
 
+def persistent_bytes(graph: Graph) -> int:
+    """The persistent tensors, each aligned, as the runner places them before the arena."""
+    return sum(aligned(t.bytes) for t in persistent_tensors(graph))
+
+
 def device_bytes(graph: Graph, plan: Plan) -> int:
     """What the runner allocates for a plan, as the driver counts it: the aligned persistent tensors and, after
     them, the arena its offsets need, one allocation taken in whole DRIVER_PAGE_BYTES pages. The arena can exceed
     the plan's peak (placement is not perfect), which is why the solver checks this number."""
     _, arena = assign_offsets(plan_blocks(plan)[0])
-    persistent = sum(aligned(t.bytes) for t in persistent_tensors(graph))
-    return aligned(persistent + arena, DRIVER_PAGE_BYTES)
+    return aligned(persistent_bytes(graph) + arena, DRIVER_PAGE_BYTES)
 
 
 def fits_device(graph: Graph, plan: Plan, cap_bytes: int) -> bool:
     """device_bytes(graph, plan) <= cap_bytes, placing in one order after another until one fits: the runner's
     smallest arena fits too, and the first order mostly does (a third of device_bytes' time)."""
-    persistent = sum(aligned(t.bytes) for t in persistent_tensors(graph))
-    room = cap_bytes // DRIVER_PAGE_BYTES * DRIVER_PAGE_BYTES - persistent
+    room = cap_bytes // DRIVER_PAGE_BYTES * DRIVER_PAGE_BYTES - persistent_bytes(graph)
     blocks = plan_blocks(plan)[0]
     return any(_first_fit(blocks, order)[1] <= room for order in PLACEMENT_ORDERS)
 

@@ -12,7 +12,7 @@ from planner.check import check_plan
 from planner.heuristic import cost, fit_cap, list_schedule, serial
 from planner.plan import Totals
 from planner.refine import (Memory, add_window_resources, apply, items_of, new_window, precedences, refine,
-                            solve_window)
+                            solve_window, sweep)
 from planner.schedule import peak_memory, timed
 from planner.solve import best_heuristic, fit_slack
 from planner.streams import build_plan
@@ -117,9 +117,8 @@ def _capped(seed):
 
 def _windows(p, s, width):
     items = items_of(p, s)
-    for at in range(0, len(items), max(1, width // 2)):
-        t0 = items[at].start
-        yield items, t0, max(t0 + 1, items[at + width].start if at + width < len(items) else s.makespan(p))
+    for _, t0, t1, _ in sweep(p, s, items, width, 0, set()):
+        yield items, t0, t1
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -133,7 +132,7 @@ def test_a_window_with_memory_holds_its_own_schedule_and_its_moves_fit_the_cap(s
     for items, t0, t1 in _windows(p, s, 8):
         w = new_window(items, edges, t0, t1)
         add_window_resources(w, items, streams)
-        add_window_memory(w, items, lives, t0, t1, room)
+        add_window_memory(w, items, lives, room)
         w.model.add(w.shift == 0)
         for k, lits in w.present.items():
             w.model.add(w.start[k] == items[k].start)
