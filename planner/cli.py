@@ -206,8 +206,8 @@ def solve(
     streams: int = typer.Option(4, "--streams", min=1, max=32, help="compute streams"),
     time_limit: float = typer.Option(60.0, "--time-limit", min=0, help="budget of the whole solve, heuristic and "
                                      "search, in seconds of a 2-core machine (counted from the work done, so plans "
-                                     "repeat; faster machines finish sooner); 0: the list-scheduling heuristic alone, "
-                                     "no OR-Tools"),
+                                     "repeat; faster machines finish sooner, and the wall clock ends the search at the "
+                                     "limit on slower ones); 0: the list-scheduling heuristic alone, no OR-Tools"),
     workers: int = typer.Option(8, "--workers", min=1, help="CP-SAT workers"),
     seed: int = typer.Option(0, "--seed", help="CP-SAT random seed"),
     dram: bool = typer.Option(False, "--dram", help="also keep the running ops' DRAM shares at most 1 (off by "

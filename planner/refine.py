@@ -32,8 +32,10 @@ MIN_PASS_GAIN = 0.002  # a pass gaining less than this share of the cost moves o
 WINDOW_DET_S = 0.1  # CP-SAT's deterministic time per window at most: more windows in the budget gain more than
 # longer ones (training b32 at 50%, 120 s: GoogLeNet 4517.4 us at 0.5, 4489.2 at 0.3, 4462.3 at 0.2, 4453.5 at 0.1,
 # 4469.0 at 0.05; ResNet-50 at 110 s 8490.3 at 0.5, 8490.9 at 0.1)
-WALL_PER_DET = 4.0  # wall seconds per deterministic second of one CP-SAT worker on small window models, and
-WINDOW_OVERHEAD_S = 0.08  # the wall seconds a window costs besides: both measured on the 2-core development machine
+WALL_PER_DET = 7.5  # wall seconds per deterministic second of the windows taken, laid out on the lanes, and
+WINDOW_OVERHEAD_S = 0.015  # the wall seconds a window costs besides: fitted to the rounds' wall times on the 2-core
+# development machine (training b32 at 50%: GoogLeNet 7.75 and 0.005, ResNet-50 7.5 and 0.015; they include the
+# windows solved ahead and discarded, and the main thread's work beside the lanes)
 LANES = 2  # windows solved at once, on threads (CP-SAT releases the GIL): that machine's cores
 LOOKAHEAD = 16  # windows solved ahead of the one whose result is taken next, at most
 FIT_EVERY = 8  # kept schedules between checks of the runner's arena (each ~0.07 s on training graphs)
@@ -377,23 +379,25 @@ def solve_round(pool: ThreadPoolExecutor, lanes: int, items: list[Item], edges: 
 
 def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: float, seed: int = 0,
            on_progress: Callable[[int, float], None] | None = None,
-           fits: Callable[[Schedule], bool] | None = None, lanes: int = LANES, fit_s: float = 0.0
-           ) -> tuple[Schedule, float]:
+           fits: Callable[[Schedule], bool] | None = None, lanes: int = LANES, fit_s: float = 0.0,
+           deadline: float = float("inf")) -> tuple[Schedule, float]:
     """(the schedule improved window by window, the budget spent). Passes sweep windows of WINDOW_SIZES[i] items
     from the start of the schedule to its end, overlapping by half; a window is kept when the schedule gets
     cheaper and fits the cap. A pass that gains over MIN_PASS_GAIN repeats its size, one that does not moves on
-    to larger windows; the largest ends the search. Windows whose model was solved before without gain are
-    skipped. `lanes` threads solve the next windows of the sweep from the same schedule, taken in order up to
-    the first that gains (`solve_round`): most windows gain nothing, so this keeps the windows one lane would,
-    sooner (ResNet-50 training at 50%, 60 s: 8573.6 us against 8648.8 with one lane). The budget is in seconds
+    to larger windows; after the largest, the sizes cycle again while the cycle before gained over
+    MIN_PASS_GAIN. Windows whose model was solved before without gain are skipped, so a later cycle solves only
+    the windows that kept schedules changed. `lanes` threads solve the next windows of the sweep from the same
+    schedule, taken in order up to the first that gains (`solve_round`): most windows gain nothing, so this keeps
+    the windows one lane would, sooner (ResNet-50 training at 50%, 60 s: 8573.6 us against 8648.8 with one lane). The budget is in seconds
     of the development machine, counted from CP-SAT's deterministic time (WALL_PER_DET, WINDOW_OVERHEAD_S) so
-    that plans repeat for a given seed and lane count; the wall clock at twice the budget is a guard for
-    slower machines. Kept schedules must also pass `fits` (the runner's arena, which may need more than the
-    peak), checked every FIT_EVERY of them (`_verified`), each check charged `fit_s`."""
+    that plans repeat for a given seed and lane count; no round starts after the wall clock passes `deadline`
+    (a slower machine's plan then depends on its speed). Kept schedules must also pass `fits` (the runner's
+    arena, which may need more than the peak), checked every FIT_EVERY of them (`_verified`), each check
+    charged `fit_s`."""
     t_start, spent = time.monotonic(), 0.0
     best, best_cost = s, cost(p, s)
     fruitless: set[tuple] = set()
-    size = 0
+    size, cycle_cost = 0, best_cost
     verified, unverified = s, []  # the last schedule known to fit; those kept since, with their windows
 
     def fitting(trial: Schedule) -> bool:
@@ -402,7 +406,7 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
         return fits(trial)
 
     with ThreadPoolExecutor(lanes) as pool:
-        while size < len(WINDOW_SIZES) and spent < budget_s:
+        while size < len(WINDOW_SIZES) and spent < budget_s and time.monotonic() < deadline:
             width, k, pass_cost = WINDOW_SIZES[size], 0, best_cost
             while True:
                 items = items_of(p, best)
@@ -411,7 +415,7 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
                 failed, gain, used = solve_round(
                     pool, lanes, items, edges, memory, sweep(p, best, items, width, k, fruitless), streams, seed,
                     lambda move: _better(p, cap_bytes, best, best_cost, items, move), budget_s - spent,
-                    t_start + 2 * budget_s)
+                    deadline)
                 spent += used
                 fruitless.update(seen for _, _, _, seen in failed)
                 if gain is None:  # the pass or the budget is over
@@ -424,6 +428,8 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
                 if on_progress:
                     on_progress(best.makespan(p), time.monotonic() - t_start)
             size += best_cost > pass_cost * (1 - MIN_PASS_GAIN)
+            if size == len(WINDOW_SIZES) and best_cost < cycle_cost * (1 - MIN_PASS_GAIN):
+                size, cycle_cost = 0, best_cost
     if fits is not None and unverified:
         best = _verified(verified, unverified, fitting, fruitless)
     return best, spent

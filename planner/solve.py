@@ -37,12 +37,13 @@ WHOLE_MODEL_SHARE = 0.25  # ... for this share of the time limit
 QUICK_EVALS = 40  # fit_cap's budget for the first valid plan (its starts, no one-decision improvements)
 FIT_EVALS = 400  # ... and for the plan CP-SAT starts from
 # The heuristic's work (heuristic.Work) in seconds of the 2-core development machine, measured on GoogLeNet and
-# ResNet-50 training b32:
-LIST_S_PER_JOB = 16e-6  # a job list-scheduled
-LAYOUT_S_PER_OP = 1.1e-4  # an op of a plan built and laid out until a placement order fits the cap (fits_device)
-SETUP_S_PER_OP = 3e-4  # an op of a problem built
-BOUND_S_PER_OP = 3e-3  # an op of a problem bounded (lower_bounds_us under a cap, chain_fill's LPs included)
+# ResNet-50 training b32 (refitted in the nineteenth session, docs/BENCHMARKS.md):
+LIST_S_PER_JOB = 18e-6  # a job list-scheduled
+LAYOUT_S_PER_OP = 2.3e-4  # an op of a plan built and laid out until a placement order fits the cap (fits_device)
+SETUP_S_PER_OP = 1e-4  # an op of a problem built
+BOUND_S_PER_OP = 3.5e-3  # an op of a problem bounded (lower_bounds_us under a cap, chain_fill's LPs included)
 MIN_SEARCH_SHARE = 0.1  # the search gets at least this share of the time limit, whatever the heuristic took
+FINAL_LAYOUTS = 6  # arena layouts the search leaves time for before the wall-clock deadline (the plan's checks)
 
 
 def device_bytes(graph: Graph, plan: Plan) -> int:
@@ -95,7 +96,8 @@ def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options 
     the uncapped list schedules ranked the ways as the solved plans did on every shipped GoogLeNet plan. "view"
     forces views, "copy" (and the framework-style baseline) never makes them. `on_plan` gets the first valid
     plan (the quick heuristic's, within seconds) while the search goes on. The time limit covers the whole solve:
-    the search gets what the work before it leaves (`charged_s`), and `solve_time_s` is the whole solve's."""
+    the search gets what the work before it leaves (`charged_s`), and `solve_time_s` is the whole solve's. The
+    budget counts work, so that plans repeat; the wall clock at the limit ends the search all the same."""
     t0, work = time.monotonic(), Work()
     plan = _solve_concats(graph, profile, cap_bytes, options, on_progress, on_plan, work, t0)
     plan.totals.solve_time_s = time.monotonic() - t0
@@ -123,7 +125,7 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
             plan = solve(graph, profile)
             plan.totals.status += f"; {len(views)} concats copied{why}"
             return plan
-    copying = _solve_graph(graph, profile, 1 << 60, replace(options, baseline=True), None, None, work, t0)
+    copying = _serial_baseline(graph, profile, options, work)
     try:
         plan = solve(viewed_graph, viewed_profile)
     except CapTooSmall:
@@ -152,11 +154,19 @@ def charged_s(work: Work) -> float:
             + work.bounded * BOUND_S_PER_OP)
 
 
-def _framework_baseline(plan: Plan, copying: Plan) -> Plan:
-    """The plan, its baseline taken from a plan of the graph whose concats copy: a framework's serial run copies
-    them, so that is what the speed-up and the serial peak compare against."""
-    plan.totals.baseline_makespan_us = copying.totals.baseline_makespan_us
-    plan.totals.baseline_peak_bytes = copying.totals.baseline_peak_bytes
+def _serial_baseline(graph: Graph, profile: Profile, options: Options, work: Work) -> tuple[float, int]:
+    """(makespan, peak bytes) of the framework-style schedule: serial, fastest algorithm, everything kept."""
+    p = build_problem(graph, profile, options.max_alternatives, options.offload, options.recompute, options.dram)
+    work.setups += len(p.ops)
+    base = baseline(p)
+    return (sum(o.alternatives[a].time_us for o, a in zip(p.ops, base.alt)),
+            peak_memory(p, base.decision, timed(p, base))[0])
+
+
+def _framework_baseline(plan: Plan, copying: tuple[float, int]) -> Plan:
+    """The plan, its baseline that of the graph whose concats copy (`_serial_baseline`): a framework's serial run
+    copies them, so that is what the speed-up and the serial peak compare against."""
+    plan.totals.baseline_makespan_us, plan.totals.baseline_peak_bytes = copying
     return plan
 
 
@@ -217,7 +227,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         limit, charged = options.time_limit_s, charged_s(work)
         search_s = max(limit - charged, limit * MIN_SEARCH_SHARE)
         plan = _solve_under(graph, p, target, base, base_peak, bounds, replace(options, time_limit_s=search_s),
-                            on_progress, hint, fits, own_bound=target == cap_bytes)
+                            on_progress, hint, fits, own_bound=target == cap_bytes, deadline=t0 + limit)
         if limit > 0:
             plan.totals.status += (f"; the search had {search_s:.1f} s of the {limit:g} s limit, the heuristic's "
                                    f"work {charged:.1f} s")
@@ -280,10 +290,10 @@ def _plan_of(graph: Graph, p: Problem, schedule: Schedule, cap_bytes: int, strea
 
 def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_peak: int, bounds: dict[str, float],
                  options: Options, on_progress, hint: Schedule | None, fits: Callable[[Plan], bool] = lambda plan: True,
-                 own_bound: bool = True) -> Plan:
+                 own_bound: bool = True, deadline: float = float("inf")) -> Plan:
     """The best schedule `_search` finds from the heuristic hint under `cap_bytes` whose plan `fits`, as a plan,
     reporting `bounds` and, with `own_bound`, CP-SAT's (which holds only under the user's cap, not under a lower
-    target)."""
+    target). The search ends by the wall clock's `deadline`, less the time the plan's checks take."""
     horizon = hint.makespan(p) if hint else _loose_horizon(p)
     bounds = dict(bounds)
     tick = p.tick_us
@@ -302,9 +312,13 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
         found = [(hint, "heuristic (CP-SAT not run: time limit 0)", False)]
     else:
         fits_schedule = lambda s: fits(_plan_of(graph, p, s, cap_bytes, options.streams))  # noqa: E731
-        found, solver_bound_ticks = _search(p, cap_bytes, horizon, hint, options, progress, fits_schedule)
-        if own_bound:
+        deadline -= FINAL_LAYOUTS * len(p.ops) * LAYOUT_S_PER_OP
+        found, solver_bound_ticks = _search(p, cap_bytes, horizon, hint, options, progress, fits_schedule, deadline)
+        if own_bound and solver_bound_ticks > 0:
             bounds["solver"] = solver_bound_ticks * tick
+        if time.monotonic() >= deadline:
+            found = [(s, f"{how}; the wall clock ended the search at the time limit (this machine ran slower than "
+                         f"the budget counts: the plan may differ between runs)", refined) for s, how, refined in found]
     for k, (schedule, status, refined) in enumerate(found):  # the runner's arena must fit too: the best that does
         if k:
             status += " (the better schedules' arenas overflow the cap)"
@@ -320,15 +334,17 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
 
 
 def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, options: Options,
-            progress: Callable[[int, int, float], None], fits: Callable[[Schedule], bool]
-            ) -> tuple[list[tuple[Schedule, str, bool]], int]:
+            progress: Callable[[int, int, float], None], fits: Callable[[Schedule], bool],
+            deadline: float = float("inf")) -> tuple[list[tuple[Schedule, str, bool]], int]:
     """(the schedules found, best first, each with how and whether windows refined it; CP-SAT's bound in ticks).
     A problem of at most WHOLE_MODEL_OPS ops goes to CP-SAT whole first (GoogLeNet and ResNet-50 inference:
     proven optimal within a second) for WHOLE_MODEL_SHARE of the time limit, then, unless proven optimal, to
-    `refine` for the rest. A larger one is refined first (training graphs of 565-636 ops: CP-SAT on the whole
-    model found nothing better than the list schedule in 60 s; windows gain 5-9% in 30-90 s), then CP-SAT whole
-    gets what is left. The time limit is in seconds of the 2-core development machine: CP-SAT gets
-    1 / WALL_PER_DET of them as deterministic time (its own unit runs about that much slower there)."""
+    `refine` for the rest. A larger one is only refined: training graphs of 565-636 ops, CP-SAT on the whole
+    model found nothing better than the list schedule in 60 s, nor better than the windows in what they left of
+    120 s (at 50%: GoogLeNet 12 s, status UNKNOWN; ResNet-50 about 40 s, the same plan without it), while
+    windows gain 5-9% in 30-90 s. The time limit is
+    in seconds of the 2-core development machine: CP-SAT gets 1 / WALL_PER_DET of them as deterministic time;
+    neither it nor the windows run past the wall clock's `deadline`."""
     from planner import cpsat  # OR-Tools only where CP-SAT runs: baseline and heuristic plans work without it
     from planner.refine import LANES, WALL_PER_DET, refine
 
@@ -339,7 +355,8 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
         nonlocal bound
         start = found[0][0] if found else None
         result = cpsat.solve(p, cap_bytes, options.streams, horizon, limit_s, options.workers, options.seed, start,
-                             lambda ms, at_bound, at: progress(ms, at_bound, elapsed + at))
+                             lambda ms, at_bound, at: progress(ms, at_bound, elapsed + at),
+                             max_wall_s=min(limit_s * 4, deadline - time.monotonic()))
         bound = result.bound_ticks
         if result.schedule is not None and (start is None or cost(p, result.schedule) < cost(p, start)):
             if start is None or found[0][1] == "heuristic":
@@ -352,15 +369,14 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
             found[0] = (start, f"{found[0][1]} (CP-SAT: {result.status})", found[0][2])
         return result.status
 
-    def windows(budget_s: float) -> float:
+    def windows(budget_s: float) -> None:
         start, how, _ = found[0]
-        out, spent = refine(p, cap_bytes, options.streams, start, budget_s, options.seed,
+        out, _ = refine(p, cap_bytes, options.streams, start, budget_s, options.seed,
                             lambda ms, at: progress(ms, 0, elapsed + at), fits, min(options.workers, LANES),
-                            len(p.ops) * LAYOUT_S_PER_OP)
+                            len(p.ops) * LAYOUT_S_PER_OP, deadline)
         if cost(p, out) < cost(p, start):
             found.insert(0, (out, f"{how}; refined window by window from {start.makespan(p) * p.tick_us:.1f} us",
                              True))
-        return spent
 
     limit = options.time_limit_s
     if len(p.ops) <= WHOLE_MODEL_OPS or hint is None:
@@ -369,9 +385,7 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
             elapsed = whole_s
             windows(limit - whole_s)
     else:
-        elapsed = windows(limit)
-        if limit - elapsed >= 1.0:
-            whole((limit - elapsed) / WALL_PER_DET)
+        windows(limit)
     return found, bound
 
 

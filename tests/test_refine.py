@@ -4,6 +4,7 @@ passes the independent check, the cap and the keep/offload/recompute decisions s
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from ortools.sat.python import cp_model
@@ -88,6 +89,13 @@ def test_the_same_seed_refines_to_the_same_schedule(lanes):
     second, _ = refine(p, 1 << 40, 3, start, budget_s=3, lanes=lanes)
     assert (first.alt, first.start) == (second.alt, second.start)
     assert 0 < spent
+
+
+def test_a_passed_deadline_returns_the_schedule_given_without_solving_a_window():
+    p = random_problem(random.Random(9), n_ops=40, n_alts=3, training=True)
+    start = list_schedule(p, 1 << 40, 3, {}).schedule
+    out, spent = refine(p, 1 << 40, 3, start, budget_s=1000, deadline=time.monotonic())
+    assert out is start and spent == 0
 
 
 def test_a_result_that_fails_the_arena_check_gives_way_to_an_earlier_kept_schedule():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from planner import cpsat
+from planner import cpsat, refine
 from planner.analytic import estimate_profile
 from planner.check import check_plan
 from planner.cli import app
@@ -454,6 +454,20 @@ def test_the_time_limit_charges_the_heuristic_work_by_its_counts(googlenet_train
     assert charged > 0 and searched == pytest.approx(max(4 - charged, 0.4), abs=0.05)
     assert plans[0].totals.status == plans[1].totals.status
     assert plans[0].totals.makespan_us == plans[1].totals.makespan_us
+
+
+def test_the_wall_clock_ends_the_search_at_the_time_limit(googlenet_train_b1, monkeypatch):
+    """Where the budget's charges undercount (here: windows charged nothing), the wall clock still ends the search
+    at the limit, the status says so, and the plan is whole."""
+    monkeypatch.setattr(refine, "WALL_PER_DET", 1e-9)
+    monkeypatch.setattr(refine, "WINDOW_OVERHEAD_S", 0.0)
+    g = googlenet_train_b1
+    prof = estimate_profile(g, H100)
+    resident = build_problem(g, prof).resident_bytes
+    cap = resident + int((serial_peak_bytes(g) - resident) * 0.8)
+    plan = solve_plan(g, prof, cap, Options(time_limit_s=8, workers=2, concat="copy"))
+    assert "the wall clock ended the search at the time limit" in plan.totals.status
+    assert check_plan(plan).ok
 
 
 def test_without_cp_sat_the_first_plan_is_the_plan(googlenet_train_b1):
