@@ -388,12 +388,12 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
     MIN_PASS_GAIN. Windows whose model was solved before without gain are skipped, so a later cycle solves only
     the windows that kept schedules changed. `lanes` threads solve the next windows of the sweep from the same
     schedule, taken in order up to the first that gains (`solve_round`): most windows gain nothing, so this keeps
-    the windows one lane would, sooner (ResNet-50 training at 50%, 60 s: 8573.6 us against 8648.8 with one lane). The budget is in seconds
-    of the development machine, counted from CP-SAT's deterministic time (WALL_PER_DET, WINDOW_OVERHEAD_S) so
-    that plans repeat for a given seed and lane count; no round starts after the wall clock passes `deadline`
-    (a slower machine's plan then depends on its speed). Kept schedules must also pass `fits` (the runner's
-    arena, which may need more than the peak), checked every FIT_EVERY of them (`_verified`), each check
-    charged `fit_s`."""
+    the windows one lane would, sooner (ResNet-50 training at 50%, 60 s: 8573.6 us against 8648.8 with one
+    lane). The budget is in seconds of the development machine, counted from CP-SAT's deterministic time
+    (WALL_PER_DET, WINDOW_OVERHEAD_S) so that plans repeat for a given seed and lane count; no round starts
+    after the wall clock passes `deadline` (a slower machine's plan then depends on its speed). Kept schedules
+    must also pass `fits` (the runner's arena, which may need more than the peak), checked every FIT_EVERY of
+    them (`_verified`), each check charged `fit_s`."""
     t_start, spent = time.monotonic(), 0.0
     best, best_cost = s, cost(p, s)
     fruitless: set[tuple] = set()

@@ -125,7 +125,7 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
             plan = solve(graph, profile)
             plan.totals.status += f"; {len(views)} concats copied{why}"
             return plan
-    copying = _serial_baseline(graph, profile, options, work)
+    copying = _baseline(_problem(graph, profile, options, work))[1:]
     try:
         plan = solve(viewed_graph, viewed_profile)
     except CapTooSmall:
@@ -141,8 +141,7 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
 
 def _list_schedule_us(graph: Graph, profile: Profile, options: Options, work: Work) -> float:
     """The shortest list schedule without a cap over LIST_SLACKS: a quick ranking of concats as views or copied."""
-    p = build_problem(graph, profile, options.max_alternatives, options.offload, options.recompute, options.dram)
-    work.setups += len(p.ops)
+    p = _problem(graph, profile, options, work)
     return min(list_schedule(p, float("inf"), options.streams, {}, slack, work).makespan
                for slack in LIST_SLACKS) * p.tick_us
 
@@ -154,18 +153,23 @@ def charged_s(work: Work) -> float:
             + work.bounded * BOUND_S_PER_OP)
 
 
-def _serial_baseline(graph: Graph, profile: Profile, options: Options, work: Work) -> tuple[float, int]:
-    """(makespan, peak bytes) of the framework-style schedule: serial, fastest algorithm, everything kept."""
+def _problem(graph: Graph, profile: Profile, options: Options, work: Work) -> Problem:
+    """The graph's Problem under the options, its setup counted in `work`."""
     p = build_problem(graph, profile, options.max_alternatives, options.offload, options.recompute, options.dram)
     work.setups += len(p.ops)
+    return p
+
+
+def _baseline(p: Problem) -> tuple[Schedule, float, int]:
+    """The framework-style schedule (serial, fastest algorithm, everything kept), its makespan and peak bytes."""
     base = baseline(p)
-    return (sum(o.alternatives[a].time_us for o, a in zip(p.ops, base.alt)),
+    return (base, sum(o.alternatives[a].time_us for o, a in zip(p.ops, base.alt)),
             peak_memory(p, base.decision, timed(p, base))[0])
 
 
 def _framework_baseline(plan: Plan, copying: tuple[float, int]) -> Plan:
-    """The plan, its baseline that of the graph whose concats copy (`_serial_baseline`): a framework's serial run
-    copies them, so that is what the speed-up and the serial peak compare against."""
+    """The plan, its baseline (makespan, peak bytes) that of the graph whose concats copy (`_baseline`): a
+    framework's serial run copies them, so that is what the speed-up and the serial peak compare against."""
     plan.totals.baseline_makespan_us, plan.totals.baseline_peak_bytes = copying
     return plan
 
@@ -173,11 +177,8 @@ def _framework_baseline(plan: Plan, copying: tuple[float, int]) -> Plan:
 def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Options,
                  on_progress: Callable[[float, float, float], None] | None,
                  on_plan: Callable[[Plan], None] | None, work: Work, t0: float) -> Plan:
-    p = build_problem(graph, profile, options.max_alternatives, options.offload, options.recompute, options.dram)
-    work.setups += len(p.ops)
-    base = baseline(p)
-    base_tm = timed(p, base)
-    base_peak = peak_memory(p, base.decision, base_tm)[0]
+    p = _problem(graph, profile, options, work)
+    base, base_us, base_peak = _baseline(p)
     need, op = memory_lower_bound(p)
     if cap_bytes < need:
         raise CapTooSmall(f"the cap {fmt_bytes(cap_bytes)} is below the {fmt_bytes(need)} any schedule needs "
@@ -210,7 +211,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     def first(target: int, hint: Schedule) -> Plan:
         """The heuristic's plan, handed to on_plan when it is the first valid one."""
         nonlocal first_s
-        plan = _solve_under(graph, p, target, base, base_peak, bounds, replace(options, time_limit_s=0), None, hint)
+        plan = _solve_under(graph, p, target, base_us, base_peak, bounds, replace(options, time_limit_s=0), None, hint)
         plan.totals.mem_cap_bytes = cap_bytes
         built[target, id(hint)] = plan
         if fits(plan) and first_s is None:
@@ -226,7 +227,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
             return built[target, id(hint)]
         limit, charged = options.time_limit_s, charged_s(work)
         search_s = max(limit - charged, limit * MIN_SEARCH_SHARE)
-        plan = _solve_under(graph, p, target, base, base_peak, bounds, replace(options, time_limit_s=search_s),
+        plan = _solve_under(graph, p, target, base_us, base_peak, bounds, replace(options, time_limit_s=search_s),
                             on_progress, hint, fits, own_bound=target == cap_bytes, deadline=t0 + limit)
         if limit > 0:
             plan.totals.status += (f"; the search had {search_s:.1f} s of the {limit:g} s limit, the heuristic's "
@@ -288,7 +289,7 @@ def _plan_of(graph: Graph, p: Problem, schedule: Schedule, cap_bytes: int, strea
     return build_plan(graph, p, schedule, totals, streams)
 
 
-def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_peak: int, bounds: dict[str, float],
+def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base_us: float, base_peak: int, bounds: dict[str, float],
                  options: Options, on_progress, hint: Schedule | None, fits: Callable[[Plan], bool] = lambda plan: True,
                  own_bound: bool = True, deadline: float = float("inf")) -> Plan:
     """The best schedule `_search` finds from the heuristic hint under `cap_bytes` whose plan `fits`, as a plan,
@@ -324,7 +325,7 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base: Schedule, base_
             status += " (the better schedules' arenas overflow the cap)"
         totals = Totals(makespan_us=0.0, peak_bytes=0, mem_cap_bytes=cap_bytes, lower_bound_us=max(bounds.values()),
                         bounds_us=bounds, solver_makespan_us=schedule.makespan(p) * tick,
-                        baseline_makespan_us=sum(o.alternatives[a].time_us for o, a in zip(p.ops, base.alt)),
+                        baseline_makespan_us=base_us,
                         baseline_peak_bytes=base_peak, status=status, gap=0.0, solve_time_s=0.0)
         plan = build_plan(graph, replace(p, simplifications=p.simplifications + [REFINED] * refined), schedule,
                           totals, options.streams)
@@ -342,9 +343,9 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
     `refine` for the rest. A larger one is only refined: training graphs of 565-636 ops, CP-SAT on the whole
     model found nothing better than the list schedule in 60 s, nor better than the windows in what they left of
     120 s (at 50%: GoogLeNet 12 s, status UNKNOWN; ResNet-50 about 40 s, the same plan without it), while
-    windows gain 5-9% in 30-90 s. The time limit is
-    in seconds of the 2-core development machine: CP-SAT gets 1 / WALL_PER_DET of them as deterministic time;
-    neither it nor the windows run past the wall clock's `deadline`."""
+    windows gain 5-9% in 30-90 s. The time limit is in seconds of the 2-core development machine: CP-SAT gets
+    1 / WALL_PER_DET of them as deterministic time; neither it nor the windows run past the wall clock's
+    `deadline`."""
     from planner import cpsat  # OR-Tools only where CP-SAT runs: baseline and heuristic plans work without it
     from planner.refine import LANES, WALL_PER_DET, refine
 
@@ -372,8 +373,8 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
     def windows(budget_s: float) -> None:
         start, how, _ = found[0]
         out, _ = refine(p, cap_bytes, options.streams, start, budget_s, options.seed,
-                            lambda ms, at: progress(ms, 0, elapsed + at), fits, min(options.workers, LANES),
-                            len(p.ops) * LAYOUT_S_PER_OP, deadline)
+                        lambda ms, at: progress(ms, 0, elapsed + at), fits, min(options.workers, LANES),
+                        len(p.ops) * LAYOUT_S_PER_OP, deadline)
         if cost(p, out) < cost(p, start):
             found.insert(0, (out, f"{how}; refined window by window from {start.makespan(p) * p.tick_us:.1f} us",
                              True))
