@@ -30,12 +30,13 @@ LIST_SLACKS = (1.0, 1.1, 1.3, 1.5, 1.7, 2.0, 2.5, 3.0, float("inf"))  # how much
 COPY_MARGINS = (1.0, 1.2)  # the heuristic also chooses its offloads with copies priced 20% slower (see best_heuristic)
 ARENA_STEP = 0.01  # a binding cap: the solver's cap is lowered in steps of 1% of the room above resident bytes
 ARENA_STEPS = 30  # ... until the runner's arena fits the user's cap
-REFINED = ("CP-SAT on windows of the timeline (planner.refine) besides the whole model: each window's ops free, the "
-           "keep/offload/recompute decisions fixed")
+REFINED = ("CP-SAT on windows of the timeline (planner.refine; on the whole model first up to 200 ops): each window's "
+           "ops free, the keep/offload/recompute decisions fixed")
 WHOLE_MODEL_OPS = 200  # problems up to this size go to CP-SAT whole first (`_search`)
 WHOLE_MODEL_SHARE = 0.25  # ... for this share of the time limit
 QUICK_EVALS = 40  # fit_cap's budget for the first valid plan (its starts, no one-decision improvements)
 FIT_EVALS = 400  # ... and for the plan CP-SAT starts from
+FIT_SHARE = 0.25  # under a time limit, that second fit_cap may take this share of what the limit leaves
 # The heuristic's work (heuristic.Work) in seconds of the 2-core development machine, measured on GoogLeNet and
 # ResNet-50 training b32 (refitted in the nineteenth session, docs/BENCHMARKS.md):
 LIST_S_PER_JOB = 18e-6  # a job list-scheduled
@@ -246,10 +247,12 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     def arena_fit(start_bytes: int, max_evals: int) -> tuple[int, Schedule | None]:
         return _arena_fit(graph, p, cap_bytes, start_bytes, options.streams, slack, max_evals, fits, work)
 
+    before_s = charged_s(work)
     target, hint = arena_fit(cap_bytes, QUICK_EVALS)
     if hint is not None:
         first(target, hint)
-        fuller = arena_fit(target, FIT_EVALS)
+        evals = fit_evals(options.time_limit_s, charged_s(work), charged_s(work) - before_s)
+        fuller = arena_fit(target, evals) if evals > QUICK_EVALS else (target, None)
         if fuller[1] is not None and cost(p, fuller[1]) <= cost(p, hint):
             target, hint = fuller
     else:
@@ -263,6 +266,17 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         plan.totals.status += f"; solved under {fmt_bytes(target)} so that the runner's arena fits the cap"
     plan.totals.mem_cap_bytes = cap_bytes
     return done(plan)
+
+
+def fit_evals(limit_s: float, charged: float, quick_s: float) -> int:
+    """fit_cap's budget for the plan the search starts from: FIT_EVALS, or, when the time limit leaves too little
+    for them, the evaluations that take FIT_SHARE of what it leaves, priced at what the first plan's QUICK_EVALS
+    cost (`quick_s`, charged seconds). GoogLeNet training b32 at 50% charges 1.3 s for those and 17.8 s for
+    FIT_EVALS: a limit of 8 s would otherwise end about 25 s late. A limit of 0 (the heuristic's plan alone)
+    takes FIT_EVALS."""
+    if limit_s <= 0 or quick_s <= 0:
+        return FIT_EVALS
+    return min(FIT_EVALS, int(FIT_SHARE * max(0.0, limit_s - charged) * QUICK_EVALS / quick_s))
 
 
 def _arena_fit(graph: Graph, p: Problem, cap_bytes: int, start_bytes: int, streams: int, slack: float,
