@@ -251,7 +251,8 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     target, hint = arena_fit(cap_bytes, QUICK_EVALS)
     if hint is not None:
         first(target, hint)
-        evals = fit_evals(options.time_limit_s, charged_s(work), charged_s(work) - before_s)
+        charged = charged_s(work)
+        evals = fit_evals(options.time_limit_s, charged, charged - before_s)
         fuller = arena_fit(target, evals) if evals > QUICK_EVALS else (target, None)
         if fuller[1] is not None and cost(p, fuller[1]) <= cost(p, hint):
             target, hint = fuller
@@ -371,7 +372,7 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
         start = found[0][0] if found else None
         result = cpsat.solve(p, cap_bytes, options.streams, horizon, limit_s, options.workers, options.seed, start,
                              lambda ms, at_bound, at: progress(ms, at_bound, elapsed + at),
-                             max_wall_s=min(limit_s * 4, deadline - time.monotonic()))
+                             max_wall_s=deadline - time.monotonic())
         bound = result.bound_ticks
         if result.schedule is not None and (start is None or cost(p, result.schedule) < cost(p, start)):
             if start is None or found[0][1] == "heuristic":
