@@ -36,6 +36,7 @@ def _pool_cases():
         _pool("max", (2, 2), (2, 2), (0, 0, 0, 0), ceil_mode=1, x=(2, 6, 9, 7)),
         _pool("max", (3, 3), (2, 2), (0, 0, 0, 0), ceil_mode=1, x=(2, 16, 11, 9)),  # C allows 16-byte groups
         _pool("max", (3, 3), (1, 1), (1, 1, 1, 1), x=(2, 24, 7, 6)),
+        _pool("max", (2, 2), (3, 3), (1, 0, 0, 1), x=(2, 16, 10, 11)),  # rows and columns no window covers
         _pool("avg", (3, 3), (1, 1), (1, 1, 1, 1)),
         _pool("avg", (3, 3), (1, 1), (1, 1, 1, 1), count_include_pad=1),
         _pool("avg", (3, 3), (2, 2), (1, 1, 1, 1), ceil_mode=1, count_include_pad=1, x=(2, 6, 10, 9)),

@@ -60,27 +60,33 @@ template <int V> __device__ void maxpool_groups(const T* x, T* y, unsigned char*
     }
 }
 
-// dx gathers dy from every window that covers it and whose recorded tap is this element: no atomics, no zero-fill
-template <int V> __device__ void maxpool_bwd_groups(const unsigned char* arg, const T* dy, T* dx, int n,
-                                                    MAX_GEOMETRY) {
+// dx gathers dy from every window that covers it and whose recorded tap is this element: no atomics, no zero-fill.
+// Windows run from the last covering (h, w) back to the first. UNIT (dilation 1, the common case) finds the first
+// by where a window stops reaching (h, w) and needs no division per window: with those divisions the kernel ran
+// ~940 instructions a thread, compute-bound at 0.6 TB/s (maxpool1 of GoogLeNet b32 on H100).
+template <int V, bool UNIT> __device__ void maxpool_bwd_groups(const unsigned char* arg, const T* dy, T* dx, int n,
+                                                               MAX_GEOMETRY) {
     GRID_LOOP(i, n) {
         GROUP_IN(V)
-        int hp = h + pt, wp = w + pl;
-        int lo = hp - (kh - 1) * dh, p0 = lo <= 0 ? 0 : (lo + sh - 1) / sh, p1 = min(P - 1, hp / sh);
-        lo = wp - (kw - 1) * dw;
-        int q0 = lo <= 0 ? 0 : (lo + sw - 1) / sw, q1 = min(Q - 1, wp / sw);
+        int hp = h + pt, wp = w + pl, p0 = 0, q0 = 0, p1 = min(P - 1, hp / sh), q1 = min(Q - 1, wp / sw);
+        if (!UNIT) {
+            int lo = hp - (kh - 1) * dh;
+            p0 = lo <= 0 ? 0 : (lo + sh - 1) / sh;
+            lo = wp - (kw - 1) * dw;
+            q0 = lo <= 0 ? 0 : (lo + sw - 1) / sw;
+        }
         float acc[V], grad[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) acc[e] = 0.f;
-        for (int p = p0; p <= p1; ++p) {
+        for (int p = p1; p >= p0 && (!UNIT || hp - p * sh < kh); --p) {
             int di = hp - p * sh;
-            if (di % dh) continue;
-            for (int q = q0; q <= q1; ++q) {
+            if (!UNIT && di % dh) continue;
+            for (int q = q1; q >= q0 && (!UNIT || wp - q * sw < kw); --q) {
                 int dj = wp - q * sw;
-                if (dj % dw) continue;
+                if (!UNIT && dj % dw) continue;
                 long long o = Y_AT(p, q);
                 Taps<V> taps = *reinterpret_cast<const Taps<V>*>(arg + o);
-                unsigned char want = (di / dh) * kw + dj / dw;
+                unsigned char want = UNIT ? di * kw + dj : (di / dh) * kw + dj / dw;
                 ldv<V>(dy, o, grad);
 #pragma unroll
                 for (int e = 0; e < V; ++e) if (taps.tap[e] == want) acc[e] += grad[e];
@@ -98,7 +104,8 @@ extern "C" __global__ void maxpool_argmax##SUFFIX(const T* x, unsigned char* arg
     maxpool_groups<V>(x, nullptr, arg, n, MAX_ARGS); \
 } \
 extern "C" __global__ void maxpool_bwd##SUFFIX(const unsigned char* arg, const T* dy, T* dx, int n, MAX_GEOMETRY) { \
-    maxpool_bwd_groups<V>(arg, dy, dx, n, MAX_ARGS); \
+    if (dh == 1 && dw == 1) maxpool_bwd_groups<V, true>(arg, dy, dx, n, MAX_ARGS); \
+    else maxpool_bwd_groups<V, false>(arg, dy, dx, n, MAX_ARGS); \
 }
 MAXPOOL_KERNELS(_1, 1)
 MAXPOOL_KERNELS(_vec, VEC)
