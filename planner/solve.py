@@ -244,20 +244,21 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         if hint is not None and fits(first(cap_bytes, hint)):
             return done(final(cap_bytes, hint))
 
-    def arena_fit(start_bytes: int, max_evals: int) -> tuple[int, Schedule | None]:
+    def arena_fit(start_bytes: int, max_evals: int) -> tuple[int, Schedule | None, int]:
         return _arena_fit(graph, p, cap_bytes, start_bytes, options.streams, slack, max_evals, fits, work)
 
     before_s = charged_s(work)
-    target, hint = arena_fit(cap_bytes, QUICK_EVALS)
+    target, hint, tries = arena_fit(cap_bytes, QUICK_EVALS)
     if hint is not None:
         first(target, hint)
         charged = charged_s(work)
-        evals = fit_evals(options.time_limit_s, charged, charged - before_s)
-        fuller = arena_fit(target, evals) if evals > QUICK_EVALS else (target, None)
-        if fuller[1] is not None and cost(p, fuller[1]) <= cost(p, hint):
-            target, hint = fuller
+        evals = fit_evals(options.time_limit_s, charged, (charged - before_s) / tries)
+        if evals > QUICK_EVALS:  # from the target found: one try, unless the fuller plan's arena overflows
+            fuller_target, fuller, _ = arena_fit(target, evals)
+            if fuller is not None and cost(p, fuller) <= cost(p, hint):
+                target, hint = fuller_target, fuller
     else:
-        target, hint = arena_fit(cap_bytes, FIT_EVALS)
+        target, hint, _ = arena_fit(cap_bytes, FIT_EVALS)
     plan = final(target, hint)
     if hint is None and not fits(plan):
         need = device_bytes(graph, plan)
@@ -271,31 +272,32 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
 
 def fit_evals(limit_s: float, charged: float, quick_s: float) -> int:
     """fit_cap's budget for the plan the search starts from: FIT_EVALS, or, when the time limit leaves too little
-    for them, the evaluations that take FIT_SHARE of what it leaves, priced at what the first plan's QUICK_EVALS
-    cost (`quick_s`, charged seconds). GoogLeNet training b32 at 50% charges 1.3 s for those and 17.8 s for
-    FIT_EVALS: a limit of 8 s would otherwise end about 25 s late. A limit of 0 (the heuristic's plan alone)
-    takes FIT_EVALS."""
+    for them, the evaluations that take FIT_SHARE of what it leaves, priced at what one try of the first plan's
+    QUICK_EVALS cost (`quick_s`, charged seconds; the first plan may step the cap down several times for the
+    arena, the fuller one starts where it ended). GoogLeNet training b32 at 50% charges 1.3 s for those and
+    17.8 s for FIT_EVALS: a limit of 8 s would otherwise end about 25 s late. A limit of 0 (the heuristic's plan
+    alone) takes FIT_EVALS."""
     if limit_s <= 0 or quick_s <= 0:
         return FIT_EVALS
     return min(FIT_EVALS, int(FIT_SHARE * max(0.0, limit_s - charged) * QUICK_EVALS / quick_s))
 
 
 def _arena_fit(graph: Graph, p: Problem, cap_bytes: int, start_bytes: int, streams: int, slack: float,
-               max_evals: int, fits: Callable[[Plan], bool], work: Work) -> tuple[int, Schedule | None]:
-    """The largest solver cap, stepping down from `start_bytes`, whose heuristic plan (fit_cap with
-    `max_evals`) the runner can lay out within the user's cap: placement leaves gaps (3-5% over the peak on
-    capped training plans, more as offloads multiply), so a plan whose peak meets the cap exactly may not fit
-    as an arena. The gap is not monotone in the cap (GoogLeNet training at 50%: a plan 4% below fits, 5-14%
-    below do not), hence small steps."""
+               max_evals: int, fits: Callable[[Plan], bool], work: Work) -> tuple[int, Schedule | None, int]:
+    """(solver cap, schedule, caps tried): the largest solver cap, stepping down from `start_bytes`, whose
+    heuristic plan (fit_cap with `max_evals`) the runner can lay out within the user's cap: placement leaves gaps
+    (3-5% over the peak on capped training plans, more as offloads multiply), so a plan whose peak meets the cap
+    exactly may not fit as an arena. The gap is not monotone in the cap (GoogLeNet training at 50%: a plan 4%
+    below fits, 5-14% below do not), hence small steps."""
     room = cap_bytes - p.resident_bytes
     for k in range(ARENA_STEPS):
         target = start_bytes - int(k * ARENA_STEP * room)
         hint = best_heuristic(p, target, streams, slack, max_evals, work)
         if hint is None:
-            break
+            return cap_bytes, None, k + 1
         if fits(_plan_of(graph, p, hint, target, streams)):
-            return target, hint
-    return cap_bytes, None  # no heuristic plan fits: CP-SAT alone, or the computed minimum cap
+            return target, hint, k + 1
+    return cap_bytes, None, ARENA_STEPS  # no heuristic plan fits: CP-SAT alone, or the computed minimum cap
 
 
 def _plan_of(graph: Graph, p: Problem, schedule: Schedule, cap_bytes: int, streams: int) -> Plan:
