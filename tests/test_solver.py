@@ -27,8 +27,8 @@ from planner.problem import Alternative, Op, Problem, TensorUse, build_problem
 from planner.schedule import peak_memory, residency, timed
 from planner.profile import Profile
 from planner.solve import (ARENA_STEP, FIT_EVALS, FIT_SHARE, LIST_S_PER_JOB, LIST_SLACKS, QUICK_EVALS, CapTooSmall,
-                           Options, _arena_fit, best_heuristic, charged_s, device_bytes, fit_evals, fit_slack, fits_device, solve_plan,
-                           with_copy_margin)
+                           Options, _arena_fit, best_heuristic, charged_s, device_bytes, fit_evals, fit_slack,
+                           fits_device, solve_plan, with_copy_margin)
 from planner.stats import serial_peak_bytes
 from planner.streams import build_plan
 from planner.training import build_training
@@ -458,9 +458,9 @@ def test_the_time_limit_charges_the_heuristic_work_by_its_counts(googlenet_train
 
 
 def test_the_second_fit_takes_what_the_time_limit_affords():
-    """The heuristic's second fit_cap is priced at what the first plan's QUICK_EVALS cost: a long limit (or 0,
-    the heuristic alone) takes FIT_EVALS, a short one FIT_SHARE of what it leaves, and one the first plan used
-    up none (GoogLeNet training b32 at 50%, --time-limit 8: 9.3 s of wall time, where it took 28.8 s)."""
+    """The heuristic's second fit_cap is priced at what one try of the first plan's QUICK_EVALS cost: a long limit
+    (or 0, the heuristic alone) takes FIT_EVALS, a short one FIT_SHARE of what it leaves, and one the first plan
+    used up none (GoogLeNet training b32 at 50%, --time-limit 8: 9.3 s of wall time, where it took 28.8 s)."""
     assert fit_evals(0, 30.0, 1.3) == fit_evals(120, 5.0, 1.3) == FIT_EVALS
     assert fit_evals(30, 5.0, 1.25) == int(FIT_SHARE * 25 * QUICK_EVALS / 1.25) < FIT_EVALS
     assert fit_evals(8, 6.0, 1.3) < QUICK_EVALS and fit_evals(4, 7.6, 5.1) == 0
