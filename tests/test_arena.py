@@ -24,6 +24,16 @@ def test_a_lifetime_order_packs_what_largest_first_fragments():
     assert arena == peak_live_bytes(blocks) == 1280
 
 
+def test_a_flatter_lifetime_weight_packs_what_the_other_orders_fragment():
+    """In 256-B units: largest first puts a and b at 0, c on b and d on top of a and c, 15 units, as do the
+    other three orders. Size x lifetime^(1/4) first (a, c, d, b) puts c beside a, d on them and b on c: 11, the
+    live-bytes bound."""
+    u = ALIGN_BYTES
+    blocks = [Block("a", 6 * u, 1, 4), Block("b", 6 * u, 7, 8), Block("c", 5 * u, 6, 10), Block("d", 4 * u, 0, 7)]
+    _, arena = assign_offsets(blocks)
+    assert arena == peak_live_bytes(blocks) == 11 * u
+
+
 def test_sizes_are_aligned():
     offsets, arena = assign_offsets([Block("a", 10, 0, 2), Block("b", 10, 1, 3)])
     assert sorted(offsets.values()) == [0, ALIGN_BYTES] and arena == 2 * ALIGN_BYTES
