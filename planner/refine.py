@@ -29,9 +29,11 @@ from planner.window_memory import Residency, add_window_memory, residencies
 
 WINDOW_SIZES = (10, 16, 24)  # items whose starts a window frees, smallest first (`refine`)
 MIN_PASS_GAIN = 0.002  # a pass gaining less than this share of the cost moves on to larger windows
-WINDOW_DET_S = 0.1  # CP-SAT's deterministic time per window at most: more windows in the budget gain more than
-# longer ones (training b32 at 50%, 120 s: GoogLeNet 4517.4 us at 0.5, 4489.2 at 0.3, 4462.3 at 0.2, 4453.5 at 0.1,
-# 4469.0 at 0.05; ResNet-50 at 110 s 8490.3 at 0.5, 8490.9 at 0.1)
+WINDOW_DET_LEVELS = (0.05, 0.1, 0.2)  # CP-SAT's deterministic time per window at most, by stage: the sizes cycle at
+# the first until a whole cycle gains nothing, then at the next (a window that gained nothing in a short solve may in
+# a longer one). Many short windows gain more than fewer long ones, but converge early (training b32 at 50%, 120 s,
+# from the same start: GoogLeNet 4186.6 us at 0.1 alone, 4177.1 at 0.05, converged after 86 s, 4177.1 staged;
+# ResNet-50 8444.9 at 0.1, 8447.6 at 0.05, converged after 51 s, 8436.5 staged)
 WALL_PER_DET = 7.5  # wall seconds per deterministic second of the windows taken, laid out on the lanes, and
 WINDOW_OVERHEAD_S = 0.015  # the wall seconds a window costs besides: fitted to the rounds' wall times on the 2-core
 # development machine (training b32 at 50%: GoogLeNet 7.75 and 0.005, ResNet-50 7.5 and 0.015; they include the
@@ -217,21 +219,22 @@ class Stop:
 
 
 def solve_window(items: list[Item], edges: list[tuple[int, int]], t0: int, t1: int, streams: int, seed: int,
-                 stop: Stop | None = None, memory: Memory | None = None) -> tuple[Move | None, float]:
+                 stop: Stop | None = None, memory: Memory | None = None, det_s: float = WINDOW_DET_LEVELS[-1]
+                 ) -> tuple[Move | None, float]:
     """(the window's solution, or None; CP-SAT's deterministic time spent). One worker: a window is small, and
     one worker's search is deterministic without interleaving. When the move found gains but overflows the cap,
     the window is solved again with `memory` in its model (window_memory): that solves slower (GoogLeNet
     training b32 at 50%, the window over the last 900 us: 0.23 deterministic s against 0.006), and most moves
     fit."""
-    move, spent = _solve_window(items, edges, t0, t1, streams, seed, stop, None)
+    move, spent = _solve_window(items, edges, t0, t1, streams, seed, stop, None, det_s)
     if move is not None and memory is not None and memory.overflows(move):
-        move, more = _solve_window(items, edges, t0, t1, streams, seed, stop, memory)
+        move, more = _solve_window(items, edges, t0, t1, streams, seed, stop, memory, det_s)
         spent += more
     return move, spent
 
 
 def _solve_window(items: list[Item], edges: list[tuple[int, int]], t0: int, t1: int, streams: int, seed: int,
-                  stop: Stop | None, memory: Memory | None) -> tuple[Move | None, float]:
+                  stop: Stop | None, memory: Memory | None, det_s: float) -> tuple[Move | None, float]:
     w = new_window(items, edges, t0, t1)
     if w is None:
         return None, 0.0
@@ -241,7 +244,7 @@ def _solve_window(items: list[Item], edges: list[tuple[int, int]], t0: int, t1: 
     set_window_objective(w, items)
     solver = cp_model.CpSolver()
     prm = solver.parameters
-    prm.max_deterministic_time = WINDOW_DET_S
+    prm.max_deterministic_time = det_s
     prm.num_workers = 1
     prm.random_seed = seed
     prm.linearization_level = 0  # small models: LP relaxation, symmetry and probing cost more than they save
@@ -336,7 +339,7 @@ def _memory(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[
 
 
 def solve_round(pool: ThreadPoolExecutor, lanes: int, items: list[Item], edges: list[tuple[int, int]],
-                memory: Memory | None, spans: Iterator[Span], streams: int, seed: int,
+                memory: Memory | None, spans: Iterator[Span], streams: int, seed: int, det_s: float,
                 gains: Callable[[Move | None], Schedule | None], budget_s: float, deadline: float
                 ) -> tuple[list[Span], tuple[Span, Schedule] | None, float]:
     """Solves the spans in order on `lanes` threads, each lane taking the next span as soon as it is free, and
@@ -352,7 +355,7 @@ def solve_round(pool: ThreadPoolExecutor, lanes: int, items: list[Item], edges: 
         running = sum(not future.done() for _, future in flight)
         while running < lanes and len(flight) < LOOKAHEAD and (span := next(spans, None)) is not None:
             flight.append((span, pool.submit(solve_window, items, edges, span[1], span[2], streams, seed, stop,
-                                             memory)))
+                                             memory, det_s)))
             running += 1
 
     fill()
@@ -382,22 +385,22 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
            fits: Callable[[Schedule], bool] | None = None, lanes: int = LANES, fit_s: float = 0.0,
            deadline: float = float("inf")) -> tuple[Schedule, float]:
     """(the schedule improved window by window, the budget spent). Passes sweep windows of WINDOW_SIZES[i] items
-    from the start of the schedule to its end, overlapping by half; a window is kept when the schedule gets
-    cheaper and fits the cap. A pass that gains over MIN_PASS_GAIN repeats its size, one that does not moves on
-    to larger windows; after the largest, the sizes cycle again while the cycle before gained over
-    MIN_PASS_GAIN. Windows whose model was solved before without gain are skipped, so a later cycle solves only
-    the windows that kept schedules changed. `lanes` threads solve the next windows of the sweep from the same
-    schedule, taken in order up to the first that gains (`solve_round`): most windows gain nothing, so this keeps
-    the windows one lane would, sooner (ResNet-50 training at 50%, 60 s: 8573.6 us against 8648.8 with one
-    lane). The budget is in seconds of the development machine, counted from CP-SAT's deterministic time
-    (WALL_PER_DET, WINDOW_OVERHEAD_S) so that plans repeat for a given seed and lane count; no round starts
-    after the wall clock passes `deadline` (a slower machine's plan then depends on its speed). Kept schedules
-    must also pass `fits` (the runner's arena, which may need more than the peak), checked every FIT_EVERY of
-    them (`_verified`), each check charged `fit_s`."""
+    from the start of the schedule to its end, overlapping by half; a window is kept when the schedule gets cheaper
+    and fits the cap. A pass that gains over MIN_PASS_GAIN repeats its size, one that does not moves on to larger
+    windows; after the largest, the sizes cycle again while the cycle before gained over MIN_PASS_GAIN, then again
+    with each window solved longer (WINDOW_DET_LEVELS). Windows whose model was solved before without gain at this
+    length are skipped, so a later cycle solves only the windows that kept schedules changed. `lanes` threads solve
+    the next windows of the sweep from the same schedule, taken in order up to the first that gains (`solve_round`):
+    most windows gain nothing, so this keeps the windows one lane would, sooner (ResNet-50 training at 50%, 60 s:
+    8573.6 us against 8648.8 with one lane). The budget is in seconds of the development machine, counted from
+    CP-SAT's deterministic time (WALL_PER_DET, WINDOW_OVERHEAD_S) so that plans repeat for a given seed and lane
+    count; no round starts after the wall clock passes `deadline` (a slower machine's plan then depends on its
+    speed). Kept schedules must also pass `fits` (the runner's arena, which may need more than the peak), checked
+    every FIT_EVERY of them (`_verified`), each check charged `fit_s`."""
     t_start, spent = time.monotonic(), 0.0
     best, best_cost = s, cost(p, s)
     fruitless: set[tuple] = set()
-    size, cycle_cost = 0, best_cost
+    level, size, cycle_cost = 0, 0, best_cost
     verified, unverified = s, []  # the last schedule known to fit; those kept since, with their windows
 
     def fitting(trial: Schedule) -> bool:
@@ -406,7 +409,7 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
         return fits(trial)
 
     with ThreadPoolExecutor(lanes) as pool:
-        while size < len(WINDOW_SIZES) and spent < budget_s and time.monotonic() < deadline:
+        while level < len(WINDOW_DET_LEVELS) and spent < budget_s and time.monotonic() < deadline:
             width, k, pass_cost = WINDOW_SIZES[size], 0, best_cost
             while True:
                 items = items_of(p, best)
@@ -414,8 +417,8 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
                 memory = _memory(p, cap_bytes, best, best_cost, items)
                 failed, gain, used = solve_round(
                     pool, lanes, items, edges, memory, sweep(p, best, items, width, k, fruitless), streams, seed,
-                    lambda move: _better(p, cap_bytes, best, best_cost, items, move), budget_s - spent,
-                    deadline)
+                    WINDOW_DET_LEVELS[level], lambda move: _better(p, cap_bytes, best, best_cost, items, move),
+                    budget_s - spent, deadline)
                 spent += used
                 fruitless.update(seen for _, _, _, seen in failed)
                 if gain is None:  # the pass or the budget is over
@@ -428,7 +431,13 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
                 if on_progress:
                     on_progress(best.makespan(p), time.monotonic() - t_start)
             size += best_cost > pass_cost * (1 - MIN_PASS_GAIN)
-            if size == len(WINDOW_SIZES) and best_cost < cycle_cost * (1 - MIN_PASS_GAIN):
+            if size == len(WINDOW_SIZES):
+                if best_cost >= cycle_cost * (1 - MIN_PASS_GAIN):  # converged: the next stage, every window again
+                    if fits is not None and unverified:
+                        best = verified = _verified(verified, unverified, fitting, fruitless)
+                        best_cost = cost(p, best)
+                    level += 1
+                    fruitless.clear()
                 size, cycle_cost = 0, best_cost
     if fits is not None and unverified:
         best = _verified(verified, unverified, fitting, fruitless)

@@ -12,8 +12,9 @@ from ortools.sat.python import cp_model
 from planner.check import check_plan
 from planner.heuristic import cost, fit_cap, list_schedule, serial
 from planner.plan import Totals
-from planner.refine import (Memory, add_window_resources, apply, items_of, new_window, precedences, refine,
-                            solve_window, sweep)
+from planner import refine as refine_module
+from planner.refine import (WINDOW_DET_LEVELS, WINDOW_SIZES, Memory, add_window_resources, apply, items_of,
+                            new_window, precedences, refine, solve_window, sweep)
 from planner.schedule import peak_memory, timed
 from planner.solve import best_heuristic, fit_slack
 from planner.streams import build_plan
@@ -79,6 +80,25 @@ def test_two_lanes_keep_the_windows_one_lane_keeps():
     assert cost(p, one) < cost(p, start)
     assert (one.alt, one.start) == (two.alt, two.start)
     assert spent_two < spent_one
+
+
+def test_a_converged_search_solves_every_window_again_for_longer(monkeypatch):
+    """Once a whole cycle of window sizes gains nothing, the next stage solves the windows again with more
+    deterministic time each: the stages in order, and at the last every window of the last schedule's first
+    sweep."""
+    p = random_problem(random.Random(11), n_ops=40, n_alts=3, training=True)
+    start = list_schedule(p, 1 << 40, 3, {}).schedule
+    solved_for = []
+
+    def spy(*args):
+        solved_for.append(args[-1])
+        return solve_window(*args)
+
+    monkeypatch.setattr(refine_module, "solve_window", spy)
+    best, _ = refine(p, 1 << 40, 3, start, budget_s=1000, lanes=1)
+    assert solved_for == sorted(solved_for) and set(solved_for) == set(WINDOW_DET_LEVELS)
+    first_sweep = list(sweep(p, best, items_of(p, best), WINDOW_SIZES[0], 0, set()))
+    assert solved_for.count(WINDOW_DET_LEVELS[-1]) >= len(first_sweep)
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
