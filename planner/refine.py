@@ -33,7 +33,8 @@ WINDOW_DET_LEVELS = (0.05, 0.1, 0.2)  # CP-SAT's deterministic time per window a
 # the first until a whole cycle gains nothing, then at the next (a window that gained nothing in a short solve may in
 # a longer one). Many short windows gain more than fewer long ones, but converge early (training b32 at 50%, 120 s,
 # from the same start: GoogLeNet 4186.6 us at 0.1 alone, 4177.1 at 0.05, converged after 86 s, 4177.1 staged;
-# ResNet-50 8444.9 at 0.1, 8447.6 at 0.05, converged after 51 s, 8436.5 staged)
+# ResNet-50 8444.9 at 0.1, 8447.6 at 0.05, converged after 51 s, 8436.5 staged; 8423.2 with 16-32 items at 0.1, but
+# those windows take 6% more wall time than the budget counts, and counted so they gain nothing)
 WALL_PER_DET = 7.5  # wall seconds per deterministic second of the windows taken, laid out on the lanes, and
 WINDOW_OVERHEAD_S = 0.015  # the wall seconds a window costs besides: fitted to the rounds' wall times on the 2-core
 # development machine (training b32 at 50%: GoogLeNet 7.75 and 0.005, ResNet-50 7.5 and 0.015; they include the
@@ -221,11 +222,11 @@ class Stop:
 def solve_window(items: list[Item], edges: list[tuple[int, int]], t0: int, t1: int, streams: int, seed: int,
                  stop: Stop | None = None, memory: Memory | None = None, det_s: float = WINDOW_DET_LEVELS[-1]
                  ) -> tuple[Move | None, float]:
-    """(the window's solution, or None; CP-SAT's deterministic time spent). One worker: a window is small, and
-    one worker's search is deterministic without interleaving. When the move found gains but overflows the cap,
-    the window is solved again with `memory` in its model (window_memory): that solves slower (GoogLeNet
-    training b32 at 50%, the window over the last 900 us: 0.23 deterministic s against 0.006), and most moves
-    fit."""
+    """(the window's solution, or None; CP-SAT's deterministic time spent, at most `det_s` a solve). One worker: a
+    window is small, and one worker's search is deterministic without interleaving. When the move found gains but
+    overflows the cap, the window is solved again with `memory` in its model (window_memory): that solves slower
+    (GoogLeNet training b32 at 50%, the window over the last 900 us: 0.23 deterministic s against 0.006), and most
+    moves fit."""
     move, spent = _solve_window(items, edges, t0, t1, streams, seed, stop, None, det_s)
     if move is not None and memory is not None and memory.overflows(move):
         move, more = _solve_window(items, edges, t0, t1, streams, seed, stop, memory, det_s)
