@@ -135,8 +135,9 @@ _k("softmax_bwd", "[y, dy] -> [dx]: y * (dy - sum(dy * y, axis)); attr axis", ph
 _k("lrn_bwd", "[x, dy] -> [dx]: gradient of LRN; attrs as lrn", phase="backward",
    flops=lambda i, o, a: (2 * a["size"] + 8) * _numel(i[0]))
 # update
-_k("sgd", "[w, dw, v] -> [w', v']: in place, v' = momentum*v + dw*grad_unscale + weight_decay*w (v fp32); w' = w - lr*v'; attrs lr, momentum, weight_decay, grad_unscale", phase="update",
-   flops=lambda i, o, a: 4 * _numel(i[0]))
+_k("sgd", "[w, dw, v]... -> [w', v']...: one layer's weights, in place, v' = momentum*v + dw*grad_unscale + weight_decay*w "
+   "(v fp32); w' = w - lr*v'; attrs lr, momentum, weight_decay, grad_unscale", phase="update",
+   flops=lambda i, o, a: 4 * sum(_numel(s) for s in i[0::3]))
 
 
 def flops(kind: str, in_shapes: list[list[int]], out_shapes: list[list[int]], attrs: dict) -> int:

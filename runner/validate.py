@@ -64,8 +64,9 @@ def weights_op_by_op(exe: Execution, graph: Graph) -> list[Check]:
     in place)."""
     cp = gpu().cp
     sync = cp.cuda.Device().synchronize
-    checked = {n.inputs[1]: "weight_gradient" for n in graph.nodes if n.kind == "sgd"}
-    checked |= {n.outputs[0]: "updated_weight" for n in graph.nodes if n.kind == "sgd"}
+    sgd = [n for n in graph.nodes if n.kind == "sgd"]
+    checked = {dw: "weight_gradient" for n in sgd for dw in n.inputs[1::3]}
+    checked |= {w: "updated_weight" for n in sgd for w in n.outputs[0::2]}
     tolerance = TOLERANCE[graph.dtype]
     checks = []
     exe.begin()

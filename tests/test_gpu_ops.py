@@ -107,6 +107,7 @@ CASES = [
     ("lrn", LRN, [X]), ("lrn", {**LRN, "size": 4}, [X]), ("lrn_bwd", LRN, [X, X]), ("lrn_bwd", {**LRN, "size": 4}, [X, X]),
     ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "grad_unscale": 1 / 1024}, [(6, 4, 3, 3)] * 3),
     ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}, [(6,)] * 3),
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "grad_unscale": 1 / 1024}, [(128, 64, 3, 3)] * 3 + [(128,)] * 6),
     ("conv", CONV, [(2, 4, 9, 7), (6, 4, 3, 3)]), ("conv", CONV_S2, [(2, 4, 9, 7), (6, 4, 3, 3), (6,)]),
     ("conv_fused", {**CONV, "residual": False, "relu": True}, [(2, 4, 9, 7), (6, 4, 3, 3), (6,)]),
     ("conv_fused", {**CONV, "residual": True, "relu": True}, [(2, 4, 9, 7), (6, 4, 3, 3), (6,), (2, 6, 9, 7)]),
@@ -116,9 +117,9 @@ CASES = [
     ("conv_bwd_filter", {**CONV, "w_shape": [6, 4, 3, 3]}, [(2, 4, 9, 7), (2, 6, 9, 7)]),
 ]
 DTYPES_IN = {"batchnorm": "xffff", "bn_apply": "xffffx", "batchnorm_bwd": "xxfff", "softmax_xent": "xi", "softmax_xent_bwd": "fi",
-             "dropout_bwd": "xu", "sgd": "xxf"}
-DTYPES_OUT = {"batchnorm": "xffff", "batchnorm_bwd": "xff", "softmax_xent": "ff", "dropout": "xu", "sgd": "xf"}
-IN_PLACE = {"sgd": {0: 0, 1: 2}, "batchnorm": {1: 3, 2: 4}}
+             "dropout_bwd": "xu"}
+DTYPES_OUT = {"batchnorm": "xffff", "batchnorm_bwd": "xff", "softmax_xent": "ff", "dropout": "xu"}
+IN_PLACE = {"batchnorm": {1: 3, 2: 4}}
 CODES = {"f": "fp32", "i": "int64", "u": "uint8"}
 
 
@@ -160,13 +161,17 @@ def run_case(ctx, kind, attrs, shapes, dtype, in_place=None):
 
     cp, handle, stream = ctx
     in_specs = [spec(s, d) for s, d in zip(shapes, _dtypes(DTYPES_IN.get(kind), len(shapes), dtype))]
-    if kind == "sgd" and len(shapes[0]) == 1:
-        in_specs = [spec(s.shape, "fp32") for s in in_specs]
+    if kind == "sgd":  # (w, dw, v) per weight: v fp32, and a BatchNormalization's (1-D) weights fp32 in every graph
+        in_specs = [spec(shapes[i], "fp32" if i % 3 == 2 or len(shapes[i]) == 1 else dtype) for i in range(len(shapes))]
     hosts = host_inputs(kind, in_specs, np.random.default_rng(0))
     want = REFERENCE[kind]([h.astype(np.float64) if h.dtype.kind == "f" else h for h in hosts], attrs)
     out_dtypes = _dtypes(DTYPES_OUT.get(kind) if attrs.get("training", True) else None, len(want), in_specs[0].dtype)
     out_specs = [spec(np.shape(w), d) for w, d in zip(want, out_dtypes)]
-    in_place = IN_PLACE.get(kind, {}) if in_place is None else in_place
+    updates = IN_PLACE.get(kind, {})
+    if kind == "sgd":  # w' and v' of each (w, dw, v), in place
+        updates = {j: j // 2 * 3 + j % 2 * 2 for j in range(len(want))}
+        out_specs = [in_specs[i] for i in updates.values()]
+    in_place = updates if in_place is None else in_place
     if kind == "batchnorm" and not attrs["training"]:
         in_place = {}
     op = OPS[kind](attrs, in_specs, out_specs, handle)

@@ -515,12 +515,12 @@ def test_only_forward_tensors_are_offloaded_or_recomputed(googlenet_train_b1):
 
 
 def test_the_gpu_tests_small_model_needs_offloads_under_a_cap(tmp_path):
-    """The premise of test_gpu_run's capped test, checked without a GPU: at batch 256 the small every-op model
+    """The premise of test_gpu_run's capped test, checked without a GPU: at batch 512 the small every-op model
     has saved tensors big enough to offload, and 90% of its activations (plus the driver's page rounding)
     already needs copies; the plan fits as the runner's arena, in driver pages, and passes the check."""
     from test_gpu_ops import _small_training_model
 
-    g = build_training(import_onnx(_small_training_model(tmp_path), batch=256, dtype="fp16", training=True))
+    g = build_training(import_onnx(_small_training_model(tmp_path), batch=512, dtype="fp16", training=True))
     prof = estimate_profile(g, H100)
     full = solve_plan(g, prof, H100.memory_bytes, Options(time_limit_s=5, workers=2))
     cap = full.totals.resident_bytes + (full.totals.peak_bytes - full.totals.resident_bytes) * 9 // 10

@@ -23,7 +23,9 @@ def test_googlenet_iteration_structure():
     assert kinds.count("conv_bwd_filter") == convs
     assert kinds.count("conv_bwd_data") == convs - 1  # the first conv reads the data input: no gradient needed
     weights = [t for t in g.tensors.values() if t.role == "weight" and t.alias_of is None]
-    assert kinds.count("sgd") == len(weights)
+    updated = [w for n in g.nodes if n.kind == "sgd" for w in n.inputs[0::3]]
+    assert sorted(updated) == sorted(t.name for t in weights)  # each weight once
+    assert kinds.count("sgd") == convs + 1  # one launch per layer: a conv and its BatchNormalization, and fc
     assert g.outputs == [LOSS] and "labels" in g.inputs
     # each concat's gradient is sliced back to its branches
     assert kinds.count("slice") == sum(len(n.inputs) for n in g.nodes if n.kind == "concat")
@@ -180,8 +182,7 @@ def test_gradients_match_central_differences(tmp_path, make):
         shifted[weight] = values[weight] + eps * direction
         return float(reference.run(g, shifted)[LOSS])
 
-    for n in sgd:
-        w, dw = n.inputs[0], n.inputs[1]
+    for w, dw in ((w, dw) for n in sgd for w, dw in zip(n.inputs[0::3], n.inputs[1::3])):
         grad = out[dw].reshape(values[w].shape)
         direction = rng.standard_normal(values[w].shape)
         analytic = float((grad * direction).sum())
