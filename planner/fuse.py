@@ -25,15 +25,6 @@ from planner.ir import ITEMSIZE, Graph, Node, finalize
 SLICE_ALIGN_BYTES = 16
 
 
-def _only_consumer(graph: Graph, tensor: str, kind: str) -> Node | None:
-    """The node of `kind` that alone reads `tensor`, unless the tensor is also a graph output."""
-    t = graph.tensors[tensor]
-    if tensor in graph.outputs or len(t.consumers) != 1:
-        return None
-    node = graph.node_by_name[t.consumers[0]]
-    return node if node.kind == kind else None
-
-
 def _residual(graph: Graph, add: Node, y: str) -> str | None:
     """The other operand of `add` when it is a plain same-shape, same-dtype tensor (no broadcast)."""
     if len(add.inputs) != 2 or add.inputs.count(y) != 1:
@@ -53,12 +44,12 @@ def fuse_conv_epilogues(graph: Graph) -> Graph:
             continue
         chain, inputs, y = [conv], list(conv.inputs), conv.outputs[0]
         attrs = dict(conv.attrs, residual=False, relu=False)
-        add = _only_consumer(graph, y, "add")
+        add = graph.only_consumer(y, "add")
         if add is not None and add.name not in replace and (z := _residual(graph, add, y)) is not None:
             chain.append(add)
             inputs.append(z)
             attrs["residual"], y = True, add.outputs[0]
-        relu = _only_consumer(graph, y, "relu")
+        relu = graph.only_consumer(y, "relu")
         if relu is not None and relu.name not in replace:
             chain.append(relu)
             attrs["relu"], y = True, relu.outputs[0]
@@ -93,7 +84,7 @@ def _writes_in_place(graph: Graph, concat: Node, x: str, grads: dict[str, Node])
     if producer is None or x in graph.outputs:
         return False
     if producer.kind == "conv_fused":
-        return _only_consumer(graph, x, "concat") is concat
+        return graph.only_consumer(x, "concat") is concat
     readers = [graph.node_by_name[c] for c in graph.tensors[x].consumers if c != concat.name]
     if producer.kind != "relu" or not all(r.kind == "relu_bwd" and r.inputs[0] == x for r in readers):
         return False

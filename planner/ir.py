@@ -103,6 +103,14 @@ class Graph(BaseModel):
     def node_by_name(self) -> dict[str, Node]:
         return {n.name: n for n in self.nodes}
 
+    def only_consumer(self, tensor: str, kind: str) -> Node | None:
+        """The node of `kind` that alone reads `tensor`, unless the tensor is also a graph output."""
+        t = self.tensors[tensor]
+        if tensor in self.outputs or len(t.consumers) != 1:
+            return None
+        node = self.node_by_name[t.consumers[0]]
+        return node if node.kind == kind else None
+
     def storage_of(self, tensor: str) -> str:
         """The tensor that owns the memory a (possibly aliased) tensor lives in."""
         while (alias := self.tensors[tensor].alias_of) is not None:

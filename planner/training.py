@@ -146,14 +146,13 @@ class _Backward:
             self.emit("sgd", inputs, outputs, dict(self.sgd_attrs), None, phase="update", name=f"sgd:{layer}")
 
     def _layer_of(self, weight: str) -> str:
-        """The forward node whose layer `weight` belongs to: the node reading it, or the conv whose output alone
-        feeds that BatchNormalization."""
-        node = next(n for n in self.fwd.nodes if weight in n.inputs)
-        if node.kind == "batchnorm":
-            x = self.fwd.tensors[node.inputs[0]]
-            conv = self.fwd.node_by_name.get(x.producer) if x.producer else None
-            if conv is not None and conv.kind == "conv" and x.consumers == [node.name]:
-                return conv.name
+        """The forward node whose layer `weight` belongs to: the first node reading it, or the conv whose output
+        alone feeds that BatchNormalization."""
+        fwd = self.fwd
+        node = fwd.node_by_name[fwd.tensors[weight].consumers[0]]
+        conv = fwd.node_by_name.get(fwd.tensors[node.inputs[0]].producer) if node.kind == "batchnorm" else None
+        if conv is not None and conv.kind == "conv" and fwd.only_consumer(conv.outputs[0], "batchnorm") is node:
+            return conv.name
         return node.name
 
     # One backward rule per forward op kind.
