@@ -101,10 +101,15 @@ def device_bytes(graph: Graph, plan: Plan) -> int:
     return aligned(persistent_bytes(graph) + arena, DRIVER_PAGE_BYTES)
 
 
+def arena_room_bytes(graph: Graph, cap_bytes: int) -> int:
+    """The largest arena that fits `cap_bytes` after the persistent tensors, in whole driver pages."""
+    return cap_bytes // DRIVER_PAGE_BYTES * DRIVER_PAGE_BYTES - persistent_bytes(graph)
+
+
 def fits_device(graph: Graph, plan: Plan, cap_bytes: int) -> bool:
     """device_bytes(graph, plan) <= cap_bytes, placing in one order after another until one fits: the runner's
     smallest arena fits too, and the first order mostly does (a third of device_bytes' time)."""
-    room = cap_bytes // DRIVER_PAGE_BYTES * DRIVER_PAGE_BYTES - persistent_bytes(graph)
+    room = arena_room_bytes(graph, cap_bytes)
     blocks = plan_blocks(plan)[0]
     return any(_first_fit(blocks, order)[1] <= room for order in PLACEMENT_ORDERS)
 

@@ -28,11 +28,11 @@ from planner.schedule import peak_memory, residency, timed
 from planner.profile import Profile
 from planner.solve import (ARENA_STEP, FIT_EVALS, FIT_SHARE, LIST_S_PER_JOB, LIST_SLACKS, QUICK_EVALS, CapTooSmall,
                            Options, _arena_fit, best_heuristic, charged_s, device_bytes, fit_evals, fit_slack,
-                           fits_device, solve_plan, with_copy_margin)
+                           fits_device, solve_plan, solver_cap, with_copy_margin)
 from planner.stats import serial_peak_bytes
 from planner.streams import build_plan
 from planner.training import build_training
-from runner.arena import DRIVER_PAGE_BYTES
+from runner.arena import DRIVER_PAGE_BYTES, arena_room_bytes
 from planner.plan import FUSED_RECOMPUTE, Totals
 
 MODELS = Path(__file__).parent / "models"
@@ -193,6 +193,9 @@ def test_training_under_a_cap_offloads_or_recomputes_and_checks(googlenet_train_
     plan = solve_plan(g, prof, cap, Options(time_limit_s=5, workers=2))
     assert plan.totals.peak_bytes <= cap and plan.totals.mem_cap_bytes == cap
     assert device_bytes(g, plan) <= cap  # the runner's arena (placement gaps included) fits too
+    room = arena_room_bytes(g, cap)  # the search stays where a peak can fit the arena, less a placement margin
+    assert plan.totals.peak_bytes <= solver_cap(g, build_problem(g, prof), cap) < plan.totals.resident_bytes + room
+    assert "solved under" in plan.totals.status
     assert plan.totals.offloaded_bytes + plan.totals.recomputed_bytes > 0
     assert check_plan(plan).ok
     need = device_bytes(g, plan)  # the quick check agrees with the runner's arena at and around it
