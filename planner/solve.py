@@ -248,8 +248,8 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     def arena_fit(start_bytes: int, max_evals: int) -> tuple[int, Schedule | None, int]:
         return _arena_fit(graph, p, cap_bytes, start_bytes, options.streams, slack, max_evals, fits, work)
 
-    before_s = charged_s(work)
-    target, hint, tries = arena_fit(solver_cap(graph, p, cap_bytes), QUICK_EVALS)
+    before_s, start_bytes = charged_s(work), solver_cap(graph, p.resident_bytes, cap_bytes)
+    target, hint, tries = arena_fit(start_bytes, QUICK_EVALS)
     if hint is not None:
         first(target, hint)
         charged = charged_s(work)
@@ -259,7 +259,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
             if fuller is not None and cost(p, fuller) <= cost(p, hint):
                 target, hint = fuller_target, fuller
     else:
-        target, hint, _ = arena_fit(solver_cap(graph, p, cap_bytes), FIT_EVALS)
+        target, hint, _ = arena_fit(start_bytes, FIT_EVALS)
     plan = final(target, hint)
     if hint is None and not fits(plan):
         need = device_bytes(graph, plan)
@@ -271,16 +271,17 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     return done(plan)
 
 
-def solver_cap(graph: Graph, p: Problem, cap_bytes: int) -> int:
+def solver_cap(graph: Graph, resident_bytes: int, cap_bytes: int) -> int:
     """The cap a binding search starts under. No peak above the resident bytes plus the arena's room (the cap
     in whole driver pages, less the persistent tensors) fits the runner's arena, and the windows pack the peak
     up to the solver's cap, where placement adds its gaps: PLACEMENT_MARGIN of the room is left for them.
     GoogLeNet training b32 at 50%: refined under the cap itself, a schedule whose peak fits overflows the arena
-    by 32 KiB (peak 284.31 MB, best placement 284.53, room 284.50); the search falls back to the last that fits (120 s: 4234.7 us; from this cap 4189.1)."""
+    by 32 KiB (peak 284.31 MB, best placement 284.53, room 284.50) and the search falls back to the last that
+    fits (120 s: 4234.7 us; from this cap, 4189.1)."""
     from runner.arena import arena_room_bytes  # pure Python; runner is imported lazily
 
     room = arena_room_bytes(graph, cap_bytes)
-    return min(cap_bytes, p.resident_bytes + room - int(PLACEMENT_MARGIN * room))
+    return min(cap_bytes, resident_bytes + room - int(PLACEMENT_MARGIN * room))
 
 
 def fit_evals(limit_s: float, charged: float, quick_s: float) -> int:
