@@ -20,9 +20,10 @@ from planner.ir import Graph
 from planner.report import Check
 from runner.executor import Execution
 from runner.gpu import gpu
+from runner.measure import TOLERANCE as ADMITTED
 from runner.ops.common import NUMPY_DTYPE
 
-TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2}  # relative L2 error; fp32 allows TF32
+TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2}  # relative L2 error of the outputs or the loss; fp32 allows TF32
 
 
 def rounded(graph: Graph, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -61,13 +62,15 @@ def end_to_end(exe: Execution, graph: Graph, host_values: dict[str, np.ndarray])
 def weights_op_by_op(exe: Execution, graph: Graph) -> list[Check]:
     """One eager iteration; every op that writes a gradient some SGD update reads, and every SGD update, is
     checked against the reference op on the inputs the device gave it (copied before it runs: some ops write
-    in place)."""
+    in place), within the error the profiler admitted the op's algorithm with (runner.measure): a stricter bar
+    fails plans on algorithms the profile offers (GoogLeNet training b32 fp32: TF32 weight gradients at
+    1.0-1.3e-3, within TF32's rounding of both operands, 2 x 2^-11, times the sums' cancellation)."""
     cp = gpu().cp
     sync = cp.cuda.Device().synchronize
     sgd = [n for n in graph.nodes if n.kind == "sgd"]
     checked = {dw: "weight_gradient" for n in sgd for dw in n.inputs[1::3]}
     checked |= {w: "updated_weight" for n in sgd for w in n.outputs[0::2]}
-    tolerance = TOLERANCE[graph.dtype]
+    tolerance = ADMITTED[graph.dtype]
     checks = []
     exe.begin()
     for launch in exe.order:
