@@ -14,7 +14,8 @@ class OpTiming(BaseModel):
     algorithm: str
     stream: int
     predicted_us: float
-    measured_us: float = Field(description="sum of the op's kernel durations (CUPTI), the op run alone")
+    measured_us: float = Field(description="the time the op's kernels keep the GPU busy (the union of their CUPTI "
+                                           "intervals), the op run alone")
 
 
 class Check(BaseModel):
