@@ -229,6 +229,47 @@ def test_in_place_kinds_also_write_separate_outputs(gpu_ctx, kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("channels", [16, 6], ids=["words", "elements"])
+@pytest.mark.parametrize("strides,pads", [((1, 1), (1, 1, 1, 1)), ((2, 2), (0, 0, 0, 0))], ids=["s1", "s2"])
+def test_max_pooling_ties_and_nans_follow_the_reference(gpu_ctx, dtype, channels, strides, pads):
+    """After a ReLU most windows hold several equal maxima: the gradient goes to the first (the reference's argmax),
+    never to two; a NaN in a window makes its maximum NaN, as numpy's max. Both on 16-byte words and one element a
+    thread."""
+    from runner.ops import OPS
+    from runner.ops.common import device_empty, spec, to_device
+
+    cp, handle, stream = gpu_ctx
+    attrs = {"kernel": [3, 3], "strides": list(strides), "pads": list(pads), "ceil_mode": 1, "dilations": [1, 1]}
+    rng = np.random.default_rng(3)
+    x = np.maximum(rng.standard_normal((2, channels, 9, 8)), 0).round(1)  # zeros and repeated values
+    y_shape = REFERENCE["maxpool"]([x], attrs)[0].shape
+    dy = rng.standard_normal(y_shape).round(2)
+    x_spec, y_spec = spec(x.shape, dtype), spec(y_shape, dtype)
+    xs = x.astype(np.float16 if dtype == "fp16" else np.float32).astype(np.float64)
+    nan_x = xs.copy()
+    nan_x[0, :, 4, 3] = np.nan
+    for values, check_bwd in ((xs, True), (nan_x, False)):
+        fwd = OPS["maxpool"](attrs, [x_spec], [y_spec], handle)
+        bwd = OPS["maxpool_bwd"](attrs, [x_spec, y_spec], [x_spec], handle)
+        xd, dyd = to_device(values, x_spec), to_device(dy, y_spec)
+        y, dx = device_empty(y_spec), device_empty(x_spec)
+        workspace = cp.full(bwd.candidates[0][1], 0xFF, cp.uint8)
+        with stream:
+            fwd.launch(0, [xd], [y], None)
+            bwd.launch(0, [xd, dyd], [dx], workspace)
+            stream.synchronize()
+        want_y = REFERENCE["maxpool"]([values], attrs)[0]
+        got_y = cp.asnumpy(y).astype(np.float64)
+        assert np.array_equal(np.isnan(got_y), np.isnan(want_y)) and np.any(np.isnan(want_y)) != check_bwd
+        assert np.array_equal(got_y[~np.isnan(want_y)], want_y[~np.isnan(want_y)])
+        if check_bwd:
+            dy_rounded = cp.asnumpy(dyd).astype(np.float64)
+            want_dx = REFERENCE["maxpool_bwd"]([values, dy_rounded], attrs)[0]
+            np.testing.assert_allclose(cp.asnumpy(dx).astype(np.float64), want_dx, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_batchnorm_offers_cupy_and_cudnn(gpu_ctx, dtype):
     for kind, attrs, shapes in [c for c in CASES if c[0] in ("batchnorm", "batchnorm_bwd") and c[2][0][1] == 32]:
         op = run_case(gpu_ctx, kind, attrs, shapes, dtype)
