@@ -112,7 +112,8 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
     views = [] if options.concat == "copy" or options.baseline else concat_view_candidates(graph)
     if options.concat == "auto" and not all(n.signature in profile.ops for n in concat_view_nodes(graph)):
         views = []
-    solve = lambda g, prof: _solve_graph(g, prof, cap_bytes, options, on_progress, on_plan, work, t0)  # noqa: E731
+    solve = lambda g, prof, hand_on=on_plan: _solve_graph(  # noqa: E731
+        g, prof, cap_bytes, options, on_progress, hand_on, work, t0)
     if not views:
         return solve(graph, profile)
     if profile.graph_sha256 not in (None, graph.graph_sha256):
@@ -128,8 +129,11 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
             plan.totals.status += f"; {len(views)} concats copied{why}"
             return plan
     copying = _baseline(_problem(graph, profile, options, work))[1:]
+    def as_views(plan: Plan) -> None:  # the first plan, runnable on the model as given (its concats as views)
+        on_plan(plan.model_copy(update={"graph_sha256": graph.graph_sha256, "concat_views": views}))
+
     try:
-        plan = solve(viewed_graph, viewed_profile)
+        plan = solve(viewed_graph, viewed_profile, as_views if on_plan else None)
     except CapTooSmall:
         if options.concat == "view":
             raise

@@ -441,6 +441,18 @@ def test_the_first_valid_plan_is_handed_on_before_the_search_ends(googlenet_trai
     assert plan.totals.predicted_us <= first.totals.predicted_us
 
 
+def test_the_first_plan_with_concat_views_runs_on_the_model_as_given(googlenet_train_b1):
+    """The first plan, written while the search goes on, names the model's own graph and its views, as the final
+    plan does: `planner run` refused it before (its graph was the one with views)."""
+    g = googlenet_train_b1
+    firsts = []
+    plan = solve_plan(g, estimate_profile(g, H100), H100.memory_bytes, Options(time_limit_s=0, concat="view"),
+                      on_plan=lambda first: firsts.append(first.model_copy(deep=True)))  # as the CLI writes it
+    assert plan.concat_views and len(firsts) == 1
+    assert firsts[0].graph_sha256 == plan.graph_sha256 == g.graph_sha256
+    assert firsts[0].concat_views == plan.concat_views and check_plan(firsts[0]).ok
+
+
 def test_the_time_limit_charges_the_heuristic_work_by_its_counts(googlenet_train_b1):
     """The search gets what the heuristic's work leaves of the limit, that work counted in jobs, layouts and
     setups rather than timed: the same seconds on every run, so the plans repeat."""
