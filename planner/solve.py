@@ -129,6 +129,7 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
             plan.totals.status += f"; {len(views)} concats copied{why}"
             return plan
     copying = _baseline(_problem(graph, profile, options, work))[1:]
+
     def as_views(plan: Plan) -> None:  # the first plan, runnable on the model as given (its concats as views)
         on_plan(plan.model_copy(update={"graph_sha256": graph.graph_sha256, "concat_views": views}))
 
