@@ -130,18 +130,18 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
             return plan
     copying = _baseline(_problem(graph, profile, options, work))[1:]
 
-    def as_views(plan: Plan) -> None:  # the first plan, runnable on the model as given (its concats as views)
-        on_plan(plan.model_copy(update={"graph_sha256": graph.graph_sha256, "concat_views": views}))
+    def on_model(plan: Plan) -> Plan:  # the viewed graph's plan, for the model as given (its concats as views)
+        return plan.model_copy(update={"graph_sha256": graph.graph_sha256, "concat_views": views})
 
     try:
-        plan = solve(viewed_graph, viewed_profile, as_views if on_plan else None)
+        plan = solve(viewed_graph, viewed_profile, (lambda first: on_plan(on_model(first))) if on_plan else None)
     except CapTooSmall:
         if options.concat == "view":
             raise
         plan = solve(graph, profile)
         plan.totals.status += f"; {len(views)} concats copied (as views no plan fits){why}"
         return plan
-    plan.graph_sha256, plan.concat_views = graph.graph_sha256, views
+    plan = on_model(plan)
     plan.totals.status += f"; {len(views)} concats as views{why}"
     return _framework_baseline(plan, copying)
 
