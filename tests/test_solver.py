@@ -455,7 +455,9 @@ def test_the_first_plan_with_concat_views_runs_on_the_model_as_given(googlenet_t
 
 def test_the_time_limit_charges_the_heuristic_work_by_its_counts(googlenet_train_b1):
     """The search gets what the heuristic's work leaves of the limit, that work counted in jobs, layouts and
-    setups rather than timed: the same seconds on every run, so the plans repeat."""
+    setups rather than timed: the same seconds on every run, so the plans repeat, unless the machine runs slower
+    than the budget counts and the wall clock ends the search, which the status then says (CI, 2026-11-26: one of
+    the two runs was cut before its windows improved the plan)."""
     g = googlenet_train_b1
     prof = estimate_profile(g, H100)
     p = build_problem(g, prof)
@@ -468,8 +470,12 @@ def test_the_time_limit_charges_the_heuristic_work_by_its_counts(googlenet_train
                       plans[0].totals.status)
     searched, charged = map(float, found.groups())
     assert charged > 0 and searched == pytest.approx(max(4 - charged, 0.4), abs=0.05)
-    assert plans[0].totals.status == plans[1].totals.status
-    assert plans[0].totals.makespan_us == plans[1].totals.makespan_us
+    cut = ["the wall clock ended the search" in plan.totals.status for plan in plans]
+    if not any(cut):
+        assert plans[0].totals.status == plans[1].totals.status
+        assert plans[0].totals.makespan_us == plans[1].totals.makespan_us
+    assert all("the plan may differ between runs" in plan.totals.status for plan, was_cut in zip(plans, cut)
+               if was_cut)
 
 
 def test_the_second_fit_takes_what_the_time_limit_affords():
