@@ -8,6 +8,7 @@ import random
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from planner.files import PlannerError, load_model
 from planner.ir import Graph
 from planner.memsize import parse_size, parse_sizes
 from planner.onnx_import import import_onnx
-from planner.heuristic import Work, fit_cap, list_schedule
+from planner.heuristic import Work, fit_cap, list_schedule, recompute_over_offload
 from planner.problem import Alternative, Op, Problem, TensorUse, build_problem
 from planner.schedule import peak_memory, residency, timed
 from planner.profile import Profile
@@ -302,6 +303,19 @@ def test_a_cap_below_keeping_everything_offloads_or_recomputes_and_checks(depth,
     assert plan.totals.peak_bytes <= cap
     result = cpsat.solve(p, cap, 4, fitted.makespan, time_limit_s=5, workers=2, hint=fitted.schedule)
     assert result.schedule is not None and result.schedule.makespan(p) <= fitted.makespan  # the hint is taken
+
+
+@pytest.mark.parametrize("interference,recomputed", [(0.3, {1, 2, 3, 4, 5}), (0.2, set())])
+def test_offloads_cheaper_to_recompute_are_recomputed(interference, recomputed):
+    """An offload whose copies' interference (4 ticks of copy x `interference`) is above its recomputation's SM
+    work (1 tick on every SM) becomes a recomputation; a0, which only a copy can free, stays offloaded."""
+    p = chain_problem(6)
+    p = replace(p, device=p.device.model_copy(update={"copy_interference": interference}))
+    schedule = lambda decision: list_schedule(p, 1 << 30, 4, decision)  # noqa: E731
+    offloaded = schedule({t: "offload" for t, tu in enumerate(p.tensors) if tu.can_offload})
+    out = recompute_over_offload(p, offloaded, schedule)
+    assert out.fits and {t for t, how in out.schedule.decision.items() if how == "recompute"} == recomputed
+    assert out.schedule.decision[0] == "offload" and check_plan(_plan_of(p, out.schedule, 1 << 30)).ok
 
 
 @pytest.mark.parametrize("how", ["recompute", "offload"])
