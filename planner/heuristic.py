@@ -320,15 +320,15 @@ def cost(p: Problem, s: Schedule) -> float:
 
 
 def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slack: float = 1.0,
-            work: Work | None = None) -> Outcome | None:
+            work: Work | None = None, refined: bool = False) -> Outcome | None:
     """Keep/offload/recompute decisions that meet the cap with the shortest list schedule (at `slack`) found.
 
     Starts: recompute the cheapest (per byte) that free the tightest cut's excess (`cheapest_cover`), or, for
     each RECOMPUTE_LIMITS bound, every tensor that cheap; then offload the fewest other saved tensors, earliest
     made first (their copies have the longest to hide in), that make the list schedule fit (bisection). The
     shortest start is improved one decision at a time (keep, offload, recompute), kept when it still fits and
-    gets shorter; then offloads cheaper to recompute are recomputed (`recompute_over_offload`). Deterministic: a
-    budget of schedule evaluations, not of seconds.
+    gets shorter; then, when the windows will `refine` the schedule, offloads cheaper to recompute are recomputed
+    (`recompute_over_offload`). Deterministic: a budget of schedule evaluations, not of seconds.
     """
     evals = 0
 
@@ -376,14 +376,15 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slac
                 out = run(trial)
                 if out.fits and cost(p, out.schedule) < cost(p, best.schedule):
                     best, improved = out, True
-    return recompute_over_offload(p, best, run)
+    return recompute_over_offload(p, best, run) if refined else best
 
 
 def recompute_over_offload(p: Problem, best: Outcome, run: Callable[[dict[int, Decision]], Outcome]) -> Outcome:
     """`best` with each offload whose recomputation's SM work (time x SM share) is below the copies' interference
     made a recomputation, where the list schedule still fits: the bound's LP prices the two so. The list schedule
     puts a recomputation on the critical path, just before its reader, and prices it in full; the windows
-    (planner.refine) then hide it in SM gaps, where a copy back still binds the backward readers it feeds.
+    (planner.refine) then hide it in SM gaps, where a copy back still binds the backward readers it feeds. Without
+    the windows the list schedule is the plan, and its price stands (GoogLeNet at 50%: 10 us longer).
     GoogLeNet training b32 at 50%, the 120-s budget spent in full: four offloads recomputed, 4060.4 -> 4004.0 us
     predicted (docs/BENCHMARKS.md)."""
     decision = dict(best.schedule.decision)

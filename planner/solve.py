@@ -211,6 +211,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     bounds = lower_bounds_us(p, options.streams, cap_bytes)  # under the user's cap, not the arena's target
     work.bounded += len(p.ops)
     slack = fit_slack(p, options.streams, work)
+    refined = options.time_limit_s > 0  # the search follows the heuristic (heuristic.recompute_over_offload)
     first_s = None
 
     built: dict[tuple[int, int], Plan] = {}  # (solver cap, id of the hint): the heuristic's plan
@@ -246,12 +247,12 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         return plan
 
     if base_peak <= cap_bytes:  # the peak does not bind; the arena, in driver pages, may still
-        hint = best_heuristic(p, cap_bytes, options.streams, slack, work=work)
+        hint = best_heuristic(p, cap_bytes, options.streams, slack, work=work, refined=refined)
         if hint is not None and fits(first(cap_bytes, hint)):
             return done(final(cap_bytes, hint))
 
     def arena_fit(start_bytes: int, max_evals: int) -> tuple[int, Schedule | None, int]:
-        return _arena_fit(graph, p, cap_bytes, start_bytes, options.streams, slack, max_evals, fits, work)
+        return _arena_fit(graph, p, cap_bytes, start_bytes, options.streams, slack, max_evals, fits, work, refined)
 
     before_s, start_bytes = charged_s(work), solver_cap(graph, p.resident_bytes, cap_bytes)
     target, hint, tries = arena_fit(start_bytes, QUICK_EVALS)
@@ -302,7 +303,8 @@ def fit_evals(limit_s: float, charged: float, quick_s: float) -> int:
 
 
 def _arena_fit(graph: Graph, p: Problem, cap_bytes: int, start_bytes: int, streams: int, slack: float,
-               max_evals: int, fits: Callable[[Plan], bool], work: Work) -> tuple[int, Schedule | None, int]:
+               max_evals: int, fits: Callable[[Plan], bool], work: Work, refined: bool
+               ) -> tuple[int, Schedule | None, int]:
     """(solver cap, schedule, caps tried): the largest solver cap, stepping down from `start_bytes`, whose
     heuristic plan (fit_cap with `max_evals`) the runner can lay out within the user's cap: placement leaves gaps
     (3-5% over the peak on capped training plans, more as offloads multiply), so a plan whose peak meets the cap
@@ -311,7 +313,7 @@ def _arena_fit(graph: Graph, p: Problem, cap_bytes: int, start_bytes: int, strea
     room = cap_bytes - p.resident_bytes
     for k in range(ARENA_STEPS):
         target = start_bytes - int(k * ARENA_STEP * room)
-        hint = best_heuristic(p, target, streams, slack, max_evals, work)
+        hint = best_heuristic(p, target, streams, slack, max_evals, work, refined)
         if hint is None:
             return cap_bytes, None, k + 1
         if fits(_plan_of(graph, p, hint, target, streams)):
@@ -434,7 +436,7 @@ def fit_slack(p: Problem, streams: int, work: Work | None = None) -> float:
 
 
 def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float, max_evals: int = FIT_EVALS,
-                   work: Work | None = None) -> Schedule | None:
+                   work: Work | None = None, refined: bool = False) -> Schedule | None:
     """The keep/offload/recompute decisions heuristic.fit_cap finds at `slack`, once for each of COPY_MARGINS,
     list-scheduled at each of LIST_SLACKS: the shortest that fits the cap (checked again on the schedule's own
     residencies), or None. Why the margin: copies run one at a time per direction, so when a plan's offloads
@@ -443,7 +445,7 @@ def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float, max_e
     Decisions chosen with dearer copies offload less (there: 138 MiB instead of 187 MiB, 0.3% shorter predicted)."""
     best = None
     for margin in COPY_MARGINS:
-        fitted = fit_cap(with_copy_margin(p, margin), cap_bytes, streams, max_evals, slack, work)
+        fitted = fit_cap(with_copy_margin(p, margin), cap_bytes, streams, max_evals, slack, work, refined)
         if fitted is None:
             continue
         for other in LIST_SLACKS:

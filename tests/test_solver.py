@@ -514,7 +514,7 @@ def test_the_arena_fit_counts_the_caps_it_tried(googlenet_train_b1):
         laid_out.append(plan.totals.mem_cap_bytes)
         return len(laid_out) == 3
 
-    target, hint, tries = _arena_fit(g, p, cap, cap, 4, 1.0, QUICK_EVALS, fits_third, Work())
+    target, hint, tries = _arena_fit(g, p, cap, cap, 4, 1.0, QUICK_EVALS, fits_third, Work(), False)
     assert hint is not None and tries == 3 == len(laid_out)
     assert target == laid_out[-1] == cap - int(2 * ARENA_STEP * (cap - p.resident_bytes))
 
