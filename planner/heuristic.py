@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from planner.bounds import worst_cut
+from planner.bounds import sm_share, worst_cut
 from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
 from planner.schedule import Decision, Schedule, timed
 
@@ -387,17 +387,14 @@ def recompute_over_offload(p: Problem, best: Outcome, run: Callable[[dict[int, D
     the windows the list schedule is the plan, and its price stands (GoogLeNet at 50%: 10 us longer).
     GoogLeNet training b32 at 50%, the 120-s budget spent in full: four offloads recomputed, 4060.4 -> 4004.0 us
     predicted (docs/BENCHMARKS.md)."""
-    decision = dict(best.schedule.decision)
-    for t in sorted(t for t, how in decision.items() if how == "offload"):
+    for t in sorted(t for t, how in best.schedule.decision.items() if how == "offload"):
         tu = p.tensors[t]
         if not tu.can_recompute:
             continue
-        interference = p.device.copy_interference * (tu.d2h_ticks + tu.h2d_ticks)
-        if tu.recompute.duration * tu.recompute.sm_demand / SM_CAPACITY >= interference:
-            continue
-        out = run({**decision, t: "recompute"})
-        if out.fits:
-            best, decision = out, dict(out.schedule.decision)
+        if tu.recompute.duration * sm_share(tu.recompute) < interference_ticks(p, {t: "offload"}):
+            out = run({**best.schedule.decision, t: "recompute"})
+            if out.fits:
+                best = out
     return best
 
 
