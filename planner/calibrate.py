@@ -19,12 +19,18 @@ slower while offloads ran, and the backward fell behind the prefetch chain), by 
 plan's copy time. `copy_interference` is that cost per microsecond of copy: the least-squares slope of what the
 replay leaves unexplained in the runs with copies against their copy time, once the dispatch time is fitted on
 the runs without (or, when every run copies, by alternating the two fits).
+
+The plans price no co-running: an op beside others is priced at its time alone. With traces, `co_running` sets
+each op's kernel time inside the iteration against its time alone, by the op's own SM share, which is what such a
+price would be fitted from (H100, GoogLeNet training: x1.5 below 20% of the SMs beside others).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from planner.check import simulate
 from planner.files import PlannerError, load_model, save_model
@@ -36,6 +42,10 @@ from planner.store import ProfileStore, measured_stores
 MAX_DISPATCH_US = 50.0
 DIRECTIONS = ("d2h", "h2d")
 ROUNDS = 5  # alternations of the dispatch and interference fits when no run is without copies
+GRID_US = 0.1  # time step of the SM-share timeline `co_running` builds from a trace
+SHARE_BINS = (0.2, 0.4, 0.6, 0.8, 1.0)  # upper edges of the ops' own SM shares in `co_running_rows`
+BESIDE = 0.3  # an op runs beside others when their SM share averages at least this over its kernels
+ALONE = 0.05  # ... and alone when below this
 
 
 @dataclass
@@ -186,3 +196,51 @@ def write_calibration(targets: list[Path], fingerprint: str, mode: str, dispatch
             what.device.calibrate(mode, dispatch_us, copy_slowdown, copy_interference)
             save_model(what, path)
     return [path for path, _ in writes]
+
+
+@dataclass
+class CoRun:
+    """One op of a traced iteration: its SM share in the plan, its time alone (the run's per-op pass), its
+    kernels' time inside the iteration, and the SM share of the other ops' kernels beside them (time-weighted)."""
+
+    sm_fraction: float
+    alone_us: float
+    inside_us: float
+    beside: float
+
+
+def co_running(trace: dict, plan: Plan, report: RunReport) -> list[CoRun]:
+    """Each op of the plan that the trace shows and the report timed alone, as a CoRun. The planner prices an op
+    at its time alone whatever runs beside it; on H100 narrow algorithms beside others take up to 1.5x that
+    (docs/BENCHMARKS.md), and this is the measurement a price for it needs."""
+    share = {o.node if o.recompute_of is None else f"recompute {o.recompute_of} ({o.node})": o.sm_fraction
+             for o in plan.ops}
+    kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in trace.get("traceEvents", [])
+               if e.get("cat") == "kernel" and e.get("ph") == "X" and e.get("name") in share]
+    if not kernels:
+        return []
+    cells = [slice(int(ts / GRID_US), max(int(ts / GRID_US) + 1, int((ts + dur) / GRID_US)))
+             for _, ts, dur in kernels]
+    width = np.zeros(max(c.stop for c in cells))
+    for (name, _, _), c in zip(kernels, cells):
+        width[c] += share[name]
+    inside: dict[str, float] = {}
+    others: dict[str, float] = {}  # the others' SM share integrated over the op's kernels, in us
+    for (name, _, dur), c in zip(kernels, cells):
+        inside[name] = inside.get(name, 0.0) + dur
+        others[name] = others.get(name, 0.0) + (width[c].mean() - share[name]) * dur
+    return [CoRun(share[o.node], o.measured_us, inside[o.node], others[o.node] / inside[o.node])
+            for o in report.ops if o.node in inside and o.measured_us > 0 and inside[o.node] > 0]
+
+
+def co_running_rows(ops: list[CoRun]) -> list[tuple[str, int, float, float]]:
+    """(which ops, how many, their time alone, their time inside the iteration): those run alone, then those run
+    beside others by their own SM share (SHARE_BINS)."""
+    def share_bin(o: CoRun) -> int:
+        return next(k for k, high in enumerate(SHARE_BINS) if o.sm_fraction < high or k == len(SHARE_BINS) - 1)
+
+    groups = [("alone", [o for o in ops if o.beside < ALONE])]
+    for k, (low, high) in enumerate(zip((0.0, *SHARE_BINS), SHARE_BINS)):
+        groups.append((f"beside others, on {low:.0%}-{high:.0%} of the SMs",
+                       [o for o in ops if o.beside >= BESIDE and share_bin(o) == k]))
+    return [(what, len(g), sum(o.alone_us for o in g), sum(o.inside_us for o in g)) for what, g in groups if g]

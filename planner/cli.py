@@ -360,7 +360,8 @@ def calibrate(
     plans: Optional[list[Path]] = typer.Option(None, "--plan", help="the plan each report ran, in order (default: "
                                                                     "the report's plan_file)"),
     traces: Optional[list[Path]] = typer.Option(None, "--trace", help="`planner run --trace` files of the same "
-                                                                      "runs, in order: also fit the copy slowdown"),
+                                                                      "runs, in order: also fit the copy slowdown "
+                                                                      "and show how ops slow beside others"),
     write: Optional[list[Path]] = typer.Option(None, "--write", help="profile files or store directories that get "
                                                                      "the fitted dispatch time (and copy slowdown)"),
 ):
@@ -368,7 +369,8 @@ def calibrate(
     measured runs; --write stores them."""
     import json
 
-    from planner.calibrate import fit, fit_copy_slowdown, pair, traced_copies, write_calibration
+    from planner.calibrate import (co_running, co_running_rows, fit, fit_copy_slowdown, pair, traced_copies,
+                                   write_calibration)
     from planner.files import load_model
     from planner.plan import Plan
     from planner.report import RunReport
@@ -376,9 +378,10 @@ def calibrate(
     for what, given in (("--plan", plans), ("--trace", traces)):
         if given and len(given) != len(reports):
             raise PlannerError(f"{len(reports)} reports but {len(given)} {what} files")
-    runs = []
+    runs, run_reports = [], []
     for k, path in enumerate(reports):
         report = load_model(RunReport, path)
+        run_reports.append(report)
         runs.append(pair(report, load_model(Plan, plans[k] if plans else Path(report.plan_file)),
                          path.name.removesuffix(".json").removesuffix(".run")))
     fingerprints = {r.plan.device_fingerprint for r in runs}
@@ -386,12 +389,14 @@ def calibrate(
     if len(fingerprints) > 1 or len(modes) > 1:
         raise PlannerError("the runs mix devices or training with inference; calibrate one device and mode at a time")
     mode = modes.pop()
-    copies = []
-    for r, trace in zip(runs, traces or []):
+    copies, beside = [], []
+    for r, report, trace in zip(runs, run_reports, traces or []):
         try:
-            copies += traced_copies(json.loads(trace.read_text()), r.plan, trace.name)
-        except (OSError, ValueError) as e:
-            raise PlannerError(f"{trace}: not a readable trace ({e})") from None
+            traced = json.loads(trace.read_text())
+            copies += traced_copies(traced, r.plan, trace.name)
+            beside += co_running(traced, r.plan, report)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise PlannerError(f"{trace}: not a readable trace ({e!r})") from None
     copy_slowdown = fit_copy_slowdown(copies)
     for r in runs:
         r.copy_slowdown = copy_slowdown
@@ -409,6 +414,13 @@ def calibrate(
                       f"{r.predicted_us:.1f} ({r.measured_us / r.predicted_us - 1:+.1%})",
                       f"{r.fitted_us:.1f} ({r.measured_us / r.fitted_us - 1:+.1%})")
     console.print(table)
+    if beside:
+        table = Table(title="ops in the traced iterations against alone (the planner prices them alone)")
+        for col in ("ops", "count", "time alone us", "in the iteration us", "ratio"):
+            table.add_column(col, justify="left" if col == "ops" else "right")
+        for what, count, alone_us, inside_us in co_running_rows(beside):
+            table.add_row(what, str(count), f"{alone_us:.1f}", f"{inside_us:.1f}", f"x{inside_us / alone_us:.2f}")
+        console.print(table)
     for path in write_calibration(write or [], fingerprints.pop(), mode, dispatch, copy_slowdown, interference):
         console.print(f"calibration written to {path}")
 

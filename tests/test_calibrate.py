@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from planner.analytic import estimate_profile
-from planner.calibrate import Calibrated, fit, fit_dispatch_us, simulated_makespan_us
+from planner.calibrate import Calibrated, co_running, co_running_rows, fit, fit_dispatch_us, simulated_makespan_us
 from planner.check import check_plan
 from planner.cli import app
 from planner.devices import load_device
@@ -16,7 +16,7 @@ from planner.files import PlannerError, load_model, save_model
 from planner.onnx_import import import_onnx
 from planner.problem import build_problem
 from planner.profile import Profile
-from planner.report import RunReport
+from planner.report import OpTiming, RunReport
 from planner.solve import Options, solve_plan
 from planner.stats import serial_peak_bytes
 from planner.training import build_training
@@ -141,3 +141,38 @@ def test_a_trace_without_the_plans_copies_is_refused(offloading, tmp_path):
     (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": []}))
     result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--trace", str(tmp_path / "trace.json")])
     assert result.exit_code != 0 and "no copy of the plan in the trace" in str(result.exception)
+
+
+def test_traces_show_how_much_slower_ops_run_beside_others(solved, tmp_path):
+    """A narrow op whose kernel runs beside a wide one for twice its time alone, and an op run alone at its time:
+    the table puts each in its row (the wide op too is alone: the narrow one beside it takes under 5%)."""
+    _, _, plan = solved
+    ops = sorted(plan.ops, key=lambda o: o.sm_fraction)
+    narrow, lone, wide = ops[0], ops[len(ops) // 2], ops[-1]
+    assert narrow.sm_fraction < 0.05 and wide.sm_fraction >= 0.3
+    kernels = [(narrow, 0.0, 10.0), (wide, 0.0, 10.0), (lone, 20.0, 5.0)]
+    trace = {"traceEvents": [{"name": o.node, "cat": "kernel", "ph": "X", "ts": ts, "dur": dur, "args": {}}
+                             for o, ts, dur in kernels]}
+    report = _report(plan, tmp_path / "plan.json", plan.totals.predicted_us).model_copy(update={"ops": [
+        OpTiming(node=o.node, algorithm=o.algorithm, stream=o.stream, predicted_us=1.0, measured_us=alone_us)
+        for o, alone_us in ((narrow, 5.0), (wide, 8.0), (lone, 5.0))]})
+    beside = co_running(trace, plan, report)
+    assert [b.beside for b in beside] == pytest.approx([wide.sm_fraction, narrow.sm_fraction, 0.0])
+    rows = co_running_rows(beside)
+    assert rows == [("alone", 2, 13.0, 15.0), ("beside others, on 0%-20% of the SMs", 1, 5.0, 10.0)]
+    save_model(plan, tmp_path / "plan.json")
+    save_model(report, tmp_path / "run.json")
+    (tmp_path / "trace.json").write_text(json.dumps(trace))
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--trace", str(tmp_path / "trace.json")])
+    assert result.exit_code == 0, result.output
+    assert "x1.15" in result.output and "x2.00" in result.output  # 15 us against 13, 10 against 5
+
+
+def test_a_trace_with_a_kernel_missing_its_duration_is_refused(solved, tmp_path):
+    _, _, plan = solved
+    save_model(plan, tmp_path / "plan.json")
+    save_model(_report(plan, tmp_path / "plan.json", plan.totals.makespan_us), tmp_path / "run.json")
+    broken = {"traceEvents": [{"name": plan.ops[0].node, "cat": "kernel", "ph": "X", "ts": 0.0}]}
+    (tmp_path / "trace.json").write_text(json.dumps(broken))
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--trace", str(tmp_path / "trace.json")])
+    assert result.exit_code != 0 and "not a readable trace" in str(result.exception)
