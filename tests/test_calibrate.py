@@ -8,7 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from planner.analytic import estimate_profile
-from planner.calibrate import Calibrated, co_running, co_running_rows, fit, fit_dispatch_us, simulated_makespan_us
+from planner.calibrate import (Calibrated, NodeGaps, co_running, co_running_rows, fit, fit_dispatch_us,
+                               simulated_makespan_us)
 from planner.check import check_plan
 from planner.cli import app
 from planner.devices import load_device
@@ -150,9 +151,9 @@ def test_traces_show_how_much_slower_ops_run_beside_others(solved, tmp_path):
     ops = sorted(plan.ops, key=lambda o: o.sm_fraction)
     narrow, lone, wide = ops[0], ops[len(ops) // 2], ops[-1]
     assert narrow.sm_fraction < 0.05 and wide.sm_fraction >= 0.3
-    kernels = [(narrow, 0.0, 10.0), (wide, 0.0, 10.0), (lone, 20.0, 5.0)]
-    trace = {"traceEvents": [{"name": o.node, "cat": "kernel", "ph": "X", "ts": ts, "dur": dur, "args": {}}
-                             for o, ts, dur in kernels]}
+    kernels = [(narrow, 0.0, 10.0, 0), (wide, 0.0, 10.0, 1), (lone, 20.0, 5.0, 0)]
+    trace = {"traceEvents": [{"name": o.node, "cat": "kernel", "ph": "X", "ts": ts, "dur": dur, "tid": tid,
+                              "args": {}} for o, ts, dur, tid in kernels]}
     report = _report(plan, tmp_path / "plan.json", plan.totals.predicted_us).model_copy(update={"ops": [
         OpTiming(node=o.node, algorithm=o.algorithm, stream=o.stream, predicted_us=1.0, measured_us=alone_us)
         for o, alone_us in ((narrow, 5.0), (wide, 8.0), (lone, 5.0))]})
@@ -176,3 +177,16 @@ def test_a_trace_with_a_kernel_missing_its_duration_is_refused(solved, tmp_path)
     (tmp_path / "trace.json").write_text(json.dumps(broken))
     result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--trace", str(tmp_path / "trace.json")])
     assert result.exit_code != 0 and "not a readable trace" in str(result.exception)
+
+
+def test_traces_measure_the_latency_around_memset_nodes():
+    """On one stream: op a's kernel, op b's memset 5 us later and its kernel 4 us after that, op c's kernel 2 us
+    after b's; another stream's op d runs alone (nothing before it on its stream)."""
+    def node(name, cat, ts, dur, tid=0):
+        return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "tid": tid, "args": {}}
+
+    gaps = NodeGaps()
+    gaps.add({"traceEvents": [node("a", "kernel", 0, 10), node("b", "memset", 15, 2), node("b", "kernel", 21, 9),
+                              node("c", "kernel", 32, 8), node("d", "kernel", 3, 4, tid=1),
+                              node("e", "memcpy", 40, 5)]})
+    assert gaps == NodeGaps(before_memset_us=[5.0], before_kernel_us=[2.0], after_memset_us=[4.0])
