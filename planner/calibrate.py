@@ -143,14 +143,13 @@ def fit_dispatch_us(runs: list[Calibrated], copy_interference: float = 0.0, tole
 def traced_copies(trace: dict, plan: Plan, name: str) -> list[tuple[str, float, float]]:
     """(direction, measured us, us alone) of each planned copy in a `planner run --trace` file: the trace names
     a copy "<direction> <tensor>"; its time alone is the plan's duration without the slowdown it was priced at."""
-    planned = {(c.direction, c.tensor): c for c in plan.copies}
+    planned = {c.trace_label: c for c in plan.copies}
     out = []
     for event in trace.get("traceEvents", []):
-        direction, _, tensor = str(event.get("name", "")).partition(" ")
-        c = planned.get((direction, tensor))
+        c = planned.get(str(event.get("name", "")))
         if event.get("cat") == "memcpy" and c is not None:
-            out.append((direction, float(event["dur"]),
-                        (c.end_us - c.start_us) / plan.totals.copy_slowdown.get(direction, 1.0)))
+            out.append((c.direction, float(event["dur"]),
+                        (c.end_us - c.start_us) / plan.totals.copy_slowdown.get(c.direction, 1.0)))
     if plan.copies and not out:
         raise PlannerError(f"{name}: no copy of the plan in the trace (a trace of another run?)")
     return out
@@ -214,8 +213,7 @@ def co_running(trace: dict, plan: Plan, report: RunReport) -> list[CoRun]:
     """Each op of the plan that the trace shows and the report timed alone, as a CoRun. The planner prices an op
     at its time alone whatever runs beside it; on H100 narrow algorithms beside others take up to 1.5x that
     (docs/BENCHMARKS.md), and this is the measurement a price for it needs."""
-    share = {o.node if o.recompute_of is None else f"recompute {o.recompute_of} ({o.node})": o.sm_fraction
-             for o in plan.ops}
+    share = {o.trace_label: o.sm_fraction for o in plan.ops}
     kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in trace.get("traceEvents", [])
                if e.get("cat") == "kernel" and e.get("ph") == "X" and e.get("name") in share]
     if not kernels:

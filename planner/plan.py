@@ -29,6 +29,11 @@ class ScheduledOp(BaseModel):
     writes: list[str] = Field(default_factory=list, description="non-persistent tensors (storages) it creates")
     deps: list[str] = Field(default_factory=list, description="ops that must end before it starts (graph edges)")
 
+    @property
+    def trace_label(self) -> str:
+        """Its name in `planner run --trace` files."""
+        return f"recompute {self.recompute_of} ({self.node})" if self.recompute_of else self.node
+
 
 class Copy(BaseModel):
     tensor: str
@@ -39,6 +44,11 @@ class Copy(BaseModel):
     bytes: int
     record_event: str | None = None
     wait_events: list[str] = Field(default_factory=list)
+
+    @property
+    def trace_label(self) -> str:
+        """Its name in `planner run --trace` files."""
+        return f"{self.direction} {self.tensor}"
 
 
 class Residency(BaseModel):

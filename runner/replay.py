@@ -66,7 +66,7 @@ def per_op_times(exe: Execution) -> tuple[dict[int, float], list[Check], list]:
         kind, index = exe.key[id(launch.item)]
         with record_activity(sync, NODE_KINDS) as activities:
             exe.issue_item(launch)
-        nodes += owners(_label(launch.item, kind), launch.stream, activities)
+        nodes += owners(launch.item.trace_label, launch.stream, activities)
         if kind == "op":
             times[index] = busy_us([a for a in activities if a.kernel])
         elif launch.item.direction == "d2h":
@@ -79,12 +79,6 @@ def per_op_times(exe: Execution) -> tuple[dict[int, float], list[Check], list]:
     with record_activity(sync, NODE_KINDS) as activities:
         exe.end()
     return times, checks, nodes + owners("iteration end", 0, activities)
-
-
-def _label(item, kind: str) -> str:
-    if kind == "copy":
-        return f"{item.direction} {item.tensor}"
-    return f"recompute {item.recompute_of} ({item.node})" if item.recompute_of else item.node
 
 
 class Prepared(NamedTuple):
