@@ -22,8 +22,7 @@ the runs without (or, when every run copies, by alternating the two fits).
 
 The plans price no co-running: an op beside others is priced at its time alone. With traces, `co_running` sets
 each op's kernel time inside the iteration against its time alone, by the op's own SM share, which is what such a
-price would be fitted from (H100, GoogLeNet training: x1.5 below 20% of the SMs beside others). Nor do they
-price the latency around memset nodes (`NodeGaps`), which cuDNN's BatchNormalization starts with.
+price would be fitted from (H100, GoogLeNet training: x1.5 below 20% of the SMs beside others).
 """
 
 from __future__ import annotations
@@ -243,29 +242,3 @@ def co_running_rows(ops: list[CoRun]) -> list[tuple[str, int, float, float]]:
         groups.append((f"beside others, on {low:.0%}-{high:.0%} of the SMs",
                        [o for o in ops if o.beside >= BESIDE and share_bin(o) == k]))
     return [(what, len(g), sum(o.alone_us for o in g), sum(o.inside_us for o in g)) for what, g in groups if g]
-
-
-@dataclass
-class NodeGaps:
-    """Idle time between graph nodes in traced iterations, per op: from the previous node on its stream to the op's
-    first node, for ops whose first node is a memset and for the others; and from such a memset to the op's next
-    node. cuDNN's BatchNormalization starts with a memset, and on H100 it costs latency the profile does not count
-    (docs/BENCHMARKS.md, twenty-ninth session)."""
-
-    before_memset_us: list[float] = field(default_factory=list)
-    before_kernel_us: list[float] = field(default_factory=list)
-    after_memset_us: list[float] = field(default_factory=list)
-
-    def add(self, trace: dict) -> None:
-        tracks: dict[int, list[dict]] = {}
-        for e in sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
-                         and e.get("cat") in ("kernel", "memset")), key=lambda e: float(e["ts"])):
-            tracks.setdefault(e["tid"], []).append(e)
-        for events in tracks.values():
-            for prev, e, nxt in zip([None, *events], events, [*events[1:], None]):
-                if prev is None or prev["name"] == e["name"] or e["name"] in ("iteration start", "iteration end"):
-                    continue
-                gap = float(e["ts"]) - float(prev["ts"]) - float(prev["dur"])
-                (self.before_memset_us if e["cat"] == "memset" else self.before_kernel_us).append(gap)
-                if e["cat"] == "memset" and nxt is not None and nxt["name"] == e["name"]:
-                    self.after_memset_us.append(float(nxt["ts"]) - float(e["ts"]) - float(e["dur"]))

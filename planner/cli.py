@@ -369,9 +369,7 @@ def calibrate(
     measured runs; --write stores them."""
     import json
 
-    from statistics import median
-
-    from planner.calibrate import (NodeGaps, co_running, co_running_rows, fit, fit_copy_slowdown, pair,
+    from planner.calibrate import (co_running, co_running_rows, fit, fit_copy_slowdown, pair,
                                    traced_copies, write_calibration)
     from planner.files import load_model
     from planner.plan import Plan
@@ -391,13 +389,12 @@ def calibrate(
     if len(fingerprints) > 1 or len(modes) > 1:
         raise PlannerError("the runs mix devices or training with inference; calibrate one device and mode at a time")
     mode = modes.pop()
-    copies, beside, gaps = [], [], NodeGaps()
+    copies, beside = [], []
     for r, report, trace in zip(runs, run_reports, traces or []):
         try:
             traced = json.loads(trace.read_text())
             copies += traced_copies(traced, r.plan, trace.name)
             beside += co_running(traced, r.plan, report)
-            gaps.add(traced)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise PlannerError(f"{trace}: not a readable trace ({e!r})") from None
     copy_slowdown = fit_copy_slowdown(copies)
@@ -424,11 +421,6 @@ def calibrate(
         for what, count, alone_us, inside_us in co_running_rows(beside):
             table.add_row(what, str(count), f"{alone_us:.1f}", f"{inside_us:.1f}", f"x{inside_us / alone_us:.2f}")
         console.print(table)
-    if gaps.before_memset_us:
-        console.print(f"{len(gaps.before_memset_us)} op runs start with a memset node, a median "
-                      f"{median(gaps.before_memset_us):.1f} us after the node before it on its stream (ops starting "
-                      f"with a kernel: {median(gaps.before_kernel_us or [0.0]):.1f} us), and their next node a median "
-                      f"{median(gaps.after_memset_us or [0.0]):.1f} us after the memset (not priced yet)")
     for path in write_calibration(write or [], fingerprints.pop(), mode, dispatch, copy_slowdown, interference):
         console.print(f"calibration written to {path}")
 

@@ -23,6 +23,7 @@ from planner.memsize import fmt_bytes
 from planner.plan import FUSED_RECOMPUTE, Copy, Plan, ScheduledOp
 from runner.arena import add_reuse_waits, aligned, assign_offsets, first_over, persistent_tensors, plan_blocks
 from runner.gpu import gpu
+from runner.graphs import Replay, capture
 from runner.launch_order import launch_order
 from runner.ops import build_op
 from runner.ops.common import NUMPY_DTYPE, physical, spec
@@ -229,16 +230,9 @@ class Execution:
             self.issue_item(launch)
         self.end()
 
-    def capture(self):
-        """The iteration as one CUDA graph, captured from the origin stream."""
-        origin = self.streams[0]
-        origin.begin_capture()
-        try:
-            self.issue()
-        finally:
-            graph = origin.end_capture()
-        graph.upload(origin)
-        return graph
+    def capture(self) -> Replay:
+        """The iteration as one CUDA graph, captured from the origin stream (small memsets as kernels)."""
+        return capture(self.streams[0], self.issue)
 
     def runtime_bytes(self) -> int:
         """Device memory the driver shows taken beyond the plan's buffers (`data_bytes`): kernel modules loaded

@@ -23,6 +23,7 @@ from planner.profile import Candidate, DeviceInfo, OpProfile, Unsupported, descr
 from planner.reference import KERNELS as REFERENCE
 from runner.cupti_trace import record_kernels
 from runner.gpu import gpu
+from runner.graphs import capture
 from runner.ops import build_op, host_inputs, in_place, node_specs
 from runner.ops.common import device_empty, to_device
 
@@ -43,15 +44,13 @@ def launches_for(kernel_us: float) -> int:
 def replay_time_us(launch, stream, reps: int = REPLAYS, launches: int = LAUNCHES_PER_GRAPH) -> float:
     """Median per-launch time of `launch(i)` for i in range(launches), captured as one CUDA graph."""
     cp = gpu().cp
+    def launch_all():
+        for i in range(launches):
+            launch(i)
+
     with stream:
         launch(0)  # warm-up outside the capture: lazy initialisation must not be captured
-        stream.begin_capture()
-        try:
-            for i in range(launches):
-                launch(i)
-        finally:
-            graph = stream.end_capture()  # a launch that failed must not leave the stream capturing
-    graph.upload(stream)
+        graph = capture(stream, launch_all)  # as the runner captures: memsets as kernels
     graph.launch(stream)
     start, end = cp.cuda.Event(), cp.cuda.Event()
     times = []

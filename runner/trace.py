@@ -34,18 +34,19 @@ def stream_names(plan) -> dict[int, str]:
     return names | {0: "compute stream 0 (origin)"}
 
 
-def replay_trace(graph_exec, origin, nodes: list[NodeOwner], plan) -> dict:
+def replay_trace(replay, origin, nodes: list[NodeOwner], plan) -> dict:
     """Replay once under CUPTI and build the trace (Chrome trace event format, times in us)."""
     with record_activity(origin.synchronize, NODE_KINDS) as activities:
-        graph_exec.launch(origin)
+        replay.launch(origin)
     t0 = min((a.start_ns for a in activities), default=0)
     names = stream_names(plan)
     events, unmatched = [], 0
     for a in activities:
         index = a.graph_node_id & 0xFFFFFFFF
+        index = replay.replaced.get(index, index)  # a fill kernel issued as a memset (runner/graphs.py)
         owner = nodes[index] if index < len(nodes) else None
         same = owner is not None and (owner.kind, owner.name) == (a.kind, a.name)
-        by_driver = owner is not None and owner.kind != "kernel" and a.kind == "kernel"  # a memset node's kernel
+        by_driver = owner is not None and owner.kind != "kernel" and a.kind == "kernel"  # a memset run as kernel
         if not (same or by_driver):
             unmatched += 1
             owner = NodeOwner("unmatched", -1, a.kind, a.name)

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from planner.analytic import estimate_profile
-from planner.calibrate import (Calibrated, NodeGaps, co_running, co_running_rows, fit, fit_dispatch_us,
+from planner.calibrate import (Calibrated, co_running, co_running_rows, fit, fit_dispatch_us,
                                simulated_makespan_us)
 from planner.check import check_plan
 from planner.cli import app
@@ -177,16 +177,3 @@ def test_a_trace_with_a_kernel_missing_its_duration_is_refused(solved, tmp_path)
     (tmp_path / "trace.json").write_text(json.dumps(broken))
     result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--trace", str(tmp_path / "trace.json")])
     assert result.exit_code != 0 and "not a readable trace" in str(result.exception)
-
-
-def test_traces_measure_the_latency_around_memset_nodes():
-    """On one stream: op a's kernel, op b's memset 5 us later and its kernel 4 us after that, op c's kernel 2 us
-    after b's; another stream's op d runs alone (nothing before it on its stream)."""
-    def node(name, cat, ts, dur, tid=0):
-        return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "tid": tid, "args": {}}
-
-    gaps = NodeGaps()
-    gaps.add({"traceEvents": [node("a", "kernel", 0, 10), node("b", "memset", 15, 2), node("b", "kernel", 21, 9),
-                              node("c", "kernel", 32, 8), node("d", "kernel", 3, 4, tid=1),
-                              node("e", "memcpy", 40, 5)]})
-    assert gaps == NodeGaps(before_memset_us=[5.0], before_kernel_us=[2.0], after_memset_us=[4.0])

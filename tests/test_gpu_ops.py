@@ -13,6 +13,7 @@ from planner.onnx_import import import_onnx
 from planner.ops import KINDS
 from planner.reference import KERNELS as REFERENCE
 from planner.training import build_training
+from runner.graphs import capture
 from runner.measure import TOLERANCE  # relative L2 error: the bar the profiler admits a candidate by (fp32: TF32)
 
 X = (2, 6, 9, 7)  # N, C, H, W all different, so a layout mix-up shows
@@ -194,11 +195,7 @@ def run_case(ctx, kind, attrs, shapes, dtype, in_place=None):
             stream.synchronize()
             _check(outputs, want, out_specs, dtype, (kind, name, "eager"))
             reset()
-            stream.begin_capture()
-            try:
-                op.launch(index, inputs, outputs, workspace)
-            finally:
-                graph = stream.end_capture()
+            graph = capture(stream, lambda: op.launch(index, inputs, outputs, workspace))  # as the runner
             reset()
             graph.launch(stream)
             stream.synchronize()
@@ -316,11 +313,7 @@ def test_fused_conv_writes_its_channel_slice_of_a_concat(gpu_ctx, dtype):
             op.launch(index, inputs, [y], workspace)
             stream.synchronize()
             _check([y], [want], [spec(want.shape, dtype)], dtype, (name, "eager"))
-            stream.begin_capture()
-            try:
-                op.launch(index, inputs, [y], workspace)
-            finally:
-                graph = stream.end_capture()
+            graph = capture(stream, lambda: op.launch(index, inputs, [y], workspace))
             whole.fill(7)
             graph.launch(stream)
             stream.synchronize()
@@ -368,12 +361,7 @@ def test_relu_and_its_backward_work_in_place_on_channel_slices(gpu_ctx, dtype, c
                 if mode == "eager":
                     op.launch(0, inputs, [out], None)
                 else:
-                    stream.begin_capture()
-                    try:
-                        op.launch(0, inputs, [out], None)
-                    finally:
-                        graph = stream.end_capture()
-                    graph.launch(stream)
+                    capture(stream, lambda: op.launch(0, inputs, [out], None)).launch(stream)
                 stream.synchronize()
                 _check([out], [want], [packed], dtype, (mode, channels))
     outside = cp.concatenate([whole_y[..., :offset].ravel(), whole_y[..., offset + channels:].ravel()])
