@@ -20,6 +20,7 @@ from runner.gpu import gpu
 MEMSET_AS_KERNEL_MAX_BYTES = 1 << 20
 NODE_MEMSET = 2  # CU_GRAPH_NODE_TYPE_MEMSET
 THREADS = 256
+EDGE_CALLS = ("cuGraphNodeGetDependencies_v2", "cuGraphNodeGetDependentNodes_v2", "cuGraphAddDependencies_v2")
 
 _FILL = r"""
 extern "C" __global__ void graph_memset(char* dst, unsigned long long pitch, unsigned int value,
@@ -125,7 +126,10 @@ def _fill_node(graph: int, memset: MemsetParams) -> int:
 def memsets_as_kernels(graph: int) -> list[int]:
     """Replace each memset node of at most MEMSET_AS_KERNEL_MAX_BYTES by a fill-kernel node with the same
     incoming and outgoing edges. Returns the replaced memsets' creation numbers (their places in the graph's
-    node list), in the order their fill nodes were created."""
+    node list), in the order their fill nodes were created. A driver older than CUDA 12.3 (no edge-data calls)
+    keeps its memset nodes."""
+    if not all(hasattr(_driver(), call) for call in EDGE_CALLS):
+        return []
     replaced = []
     for number, node in enumerate(nodes(graph)):
         if node_type(node) != NODE_MEMSET:

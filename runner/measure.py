@@ -44,6 +44,7 @@ def launches_for(kernel_us: float) -> int:
 def replay_time_us(launch, stream, reps: int = REPLAYS, launches: int = LAUNCHES_PER_GRAPH) -> float:
     """Median per-launch time of `launch(i)` for i in range(launches), captured as one CUDA graph."""
     cp = gpu().cp
+
     def launch_all():
         for i in range(launches):
             launch(i)
