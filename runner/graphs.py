@@ -123,15 +123,16 @@ def _fill_node(graph: int, memset: MemsetParams) -> int:
     return node.value
 
 
-def memsets_as_kernels(graph: int) -> list[int]:
+def memsets_as_kernels(graph: int) -> dict[int, int]:
     """Replace each memset node of at most MEMSET_AS_KERNEL_MAX_BYTES by a fill-kernel node with the same
-    incoming and outgoing edges. Returns the replaced memsets' creation numbers (their places in the graph's
-    node list), in the order their fill nodes were created. A driver older than CUDA 12.3 (no edge-data calls)
+    incoming and outgoing edges. Returns each fill node's creation number with that of the memset it replaced
+    (new nodes take the numbers after the captured ones). A driver older than CUDA 12.3 (no edge-data calls)
     keeps its memset nodes."""
     if not all(hasattr(_driver(), call) for call in EDGE_CALLS):
-        return []
-    replaced = []
-    for number, node in enumerate(nodes(graph)):
+        return {}
+    captured = nodes(graph)
+    replaced = {}
+    for number, node in enumerate(captured):
         if node_type(node) != NODE_MEMSET:
             continue
         memset = MemsetParams()
@@ -145,7 +146,7 @@ def memsets_as_kernels(graph: int) -> list[int]:
         _connect(graph, before, [fill] * len(before), before_data)
         _connect(graph, [fill] * len(after), after, after_data)
         _check(_driver().cuGraphDestroyNode(ctypes.c_void_p(node)), "cuGraphDestroyNode")
-        replaced.append(number)
+        replaced[len(captured) + len(replaced)] = number
     return replaced
 
 
@@ -159,8 +160,7 @@ class Replay:
     def __init__(self, graph: int, stream):
         rt = gpu().cp.cuda.runtime
         self.graph, self.exec = graph, 0
-        created = len(nodes(graph))
-        self.replaced = {created + k: number for k, number in enumerate(memsets_as_kernels(graph))}
+        self.replaced = memsets_as_kernels(graph)
         self.exec = rt.graphInstantiate(graph)
         rt.graphUpload(self.exec, stream.ptr)
 
