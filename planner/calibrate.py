@@ -227,8 +227,9 @@ def co_running(trace: dict, plan: Plan, report: RunReport) -> list[CoRun]:
     for (name, _, dur), c in zip(kernels, cells):
         inside[name] = inside.get(name, 0.0) + dur
         others[name] = others.get(name, 0.0) + (width[c].mean() - share[name]) * dur
-    return [CoRun(share[o.node], o.measured_us, inside[o.node], others[o.node] / inside[o.node])
-            for o in report.ops if o.node in inside and o.measured_us > 0 and inside[o.node] > 0]
+    timed = zip((o.trace_label for o in plan.ops), report.ops)  # the report times the plan's ops in its order
+    return [CoRun(share[label], o.measured_us, inside[label], others[label] / inside[label])
+            for label, o in timed if label in inside and o.measured_us > 0 and inside[label] > 0]
 
 
 def co_running_rows(ops: list[CoRun]) -> list[tuple[str, int, float, float]]:

@@ -154,11 +154,13 @@ def test_traces_show_how_much_slower_ops_run_beside_others(solved, tmp_path):
     kernels = [(narrow, 0.0, 10.0, 0), (wide, 0.0, 10.0, 1), (lone, 20.0, 5.0, 0)]
     trace = {"traceEvents": [{"name": o.node, "cat": "kernel", "ph": "X", "ts": ts, "dur": dur, "tid": tid,
                               "args": {}} for o, ts, dur, tid in kernels]}
+    alone_us = {narrow.node: 5.0, wide.node: 8.0, lone.node: 5.0}  # the others untimed, as a run times all in order
     report = _report(plan, tmp_path / "plan.json", plan.totals.predicted_us).model_copy(update={"ops": [
-        OpTiming(node=o.node, algorithm=o.algorithm, stream=o.stream, predicted_us=1.0, measured_us=alone_us)
-        for o, alone_us in ((narrow, 5.0), (wide, 8.0), (lone, 5.0))]})
+        OpTiming(node=o.node, algorithm=o.algorithm, stream=o.stream, predicted_us=1.0,
+                 measured_us=alone_us.get(o.node, 0.0)) for o in plan.ops]})
     beside = co_running(trace, plan, report)
-    assert [b.beside for b in beside] == pytest.approx([wide.sm_fraction, narrow.sm_fraction, 0.0])
+    others_share = {narrow.node: wide.sm_fraction, wide.node: narrow.sm_fraction, lone.node: 0.0}
+    assert [b.beside for b in beside] == pytest.approx([others_share[o.node] for o in plan.ops if o.node in alone_us])
     rows = co_running_rows(beside)
     assert rows == [("alone", 2, 13.0, 15.0), ("beside others, on 0%-20% of the SMs", 1, 5.0, 10.0)]
     save_model(plan, tmp_path / "plan.json")
