@@ -69,15 +69,17 @@ class Environment(BaseModel):
 
 class EquivalenceCheck(BaseModel):
     """Our IR's PyTorch build against torchvision's network of the same architecture, timed in the same rounds:
-    eager (framework overhead included) and as CUDA graphs (the GPU work alone)."""
+    eager (framework overhead included) and as CUDA graphs (the GPU work alone). Both builds are compared on
+    their lower decile: an eager iteration is CPU-bound, and its median moves 10% between runs with the host's
+    scheduling (H100 machine: p10 to p90 spans 3.1-5.0 ms), while its lower decile stays within 2%."""
 
     model_name: str
     batch: int
     dtype: str
     training: bool
     mode: Literal["eager", "graph"]
-    ours_ir_us: float
-    torchvision_us: float
+    ours_ir_us: float = Field(description="lower decile of our IR's build")
+    torchvision_us: float = Field(description="lower decile of torchvision's build")
     ratio: float = Field(description="ours_ir_us / torchvision_us")
     passed: bool = Field(description=f"within {EQUIVALENT:.0%} of each other")
 
@@ -196,10 +198,10 @@ def equivalence_checks(rows: list[BenchRow]) -> list[EquivalenceCheck]:
         for mode in ("eager", "graph"):
             ours, tv = by_name.get(f"torch {mode}"), by_name.get(f"torchvision {mode}")
             if ours and tv:
-                ratio = ours.median_us / tv.median_us
+                ratio = ours.p10_us / tv.p10_us
                 out.append(EquivalenceCheck(model_name=config[0], batch=config[1], dtype=config[2],
-                                            training=config[3], mode=mode, ours_ir_us=ours.median_us,
-                                            torchvision_us=tv.median_us, ratio=ratio,
+                                            training=config[3], mode=mode, ours_ir_us=ours.p10_us,
+                                            torchvision_us=tv.p10_us, ratio=ratio,
                                             passed=abs(ratio - 1) <= EQUIVALENT))
     return out
 

@@ -72,7 +72,7 @@ def test_rows_ratios_and_the_torchvision_check():
     assert by["ours planned"].best_torch == "torch graph"
     assert by["ours planned"].ratio_vs_best_torch == pytest.approx(699.5 / 899.5)
     (check,) = equivalence_checks(rows)
-    assert check.passed and check.mode == "eager" and check.ratio == pytest.approx(1199.5 / 1179.5)
+    assert check.passed and check.mode == "eager" and check.ratio == pytest.approx(1179.9 / 1159.9)  # lower deciles
     capped = _rows(cap=4 << 30)  # under a cap, the best PyTorch variant is the fastest one that stayed under it
     add_ratios(capped)
     assert {r.best_torch for r in capped} == {"torch checkpoint"}
