@@ -51,8 +51,8 @@ def print_report(report: BenchReport, console: Console) -> None:
     for c in report.checks:
         verdict = "[green]within 5%[/]" if c.passed else f"[yellow]{abs(c.ratio - 1):.0%} apart[/]"
         console.print(f"check {c.model_name} b{c.batch} {c.dtype} {c.mode}: our IR's PyTorch build "
-                      f"{fmt_us(c.ours_ir_us)}, torchvision {fmt_us(c.torchvision_us)} (lower deciles, {c.ratio:.3f}x): "
-                      f"{verdict}")
+                      f"{fmt_us(c.ours_ir_us)}, torchvision {fmt_us(c.torchvision_us)} "
+                      f"(lower deciles, {c.ratio:.3f}x): {verdict}")
     for note in report.notes:
         console.print(f"note: {note}", highlight=False)
 
