@@ -53,7 +53,7 @@ def plan_to_trace(plan: Plan) -> dict:
     for c in plan.copies:
         events.append({
             "ph": "X", "pid": PID, "tid": c.stream, "ts": c.start_us, "dur": max(c.end_us - c.start_us, 0.001),
-            "name": f"{c.direction} {c.tensor}", "cat": "copy", "args": {"bytes": c.bytes},
+            "name": c.trace_label, "cat": "copy", "args": {"bytes": c.bytes},
         })
     for t, level in memory_counter(plan):
         events.append({"ph": "C", "pid": PID, "ts": t, "name": "device memory",
