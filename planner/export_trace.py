@@ -46,7 +46,7 @@ def plan_to_trace(plan: Plan) -> dict:
     for op in plan.ops:
         events.append({
             "ph": "X", "pid": PID, "tid": op.stream, "ts": op.start_us, "dur": max(op.end_us - op.start_us, 0.001),
-            "name": op.node if op.recompute_of is None else f"recompute {op.node}", "cat": "op",
+            "name": op.trace_label, "cat": "op",
             "args": {"algorithm": op.algorithm, "workspace_bytes": op.workspace_bytes,
                      "sm_fraction": op.sm_fraction, "waits": op.wait_events, "records": op.record_event},
         })

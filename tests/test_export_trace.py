@@ -9,7 +9,8 @@ from planner.plan import Copy, Plan, Residency, ScheduledOp, Totals
 def _plan():
     ops = [ScheduledOp(node="a", algorithm="x", stream=0, start_us=0, end_us=10, workspace_bytes=100),
            ScheduledOp(node="b", algorithm="y", stream=1, start_us=2, end_us=6),
-           ScheduledOp(node="c", algorithm="z", stream=0, start_us=10, end_us=20, wait_events=["e1"])]
+           ScheduledOp(node="c", algorithm="z", stream=0, start_us=10, end_us=20, wait_events=["e1"]),
+           ScheduledOp(node="b", algorithm="y", stream=1, start_us=12, end_us=14, recompute_of="t")]
     copies = [Copy(tensor="t", direction="d2h", stream=4, start_us=6, end_us=8, bytes=1000),
               Copy(tensor="t", direction="h2d", stream=5, start_us=12, end_us=14, bytes=1000)]
     tensors = [Residency(tensor="t", bytes=1000, decision="offload", intervals_us=[(2, 8), (12, 20)]),
@@ -27,8 +28,9 @@ def test_tracks_and_events():
     assert names == {0: "compute stream 0", 1: "compute stream 1", 4: "copy d2h (stream 4)",
                      5: "copy h2d (stream 5)"}
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert len(spans) == 5
+    assert len(spans) == 6
     assert {e["name"] for e in spans if e["cat"] == "copy"} == {"d2h t", "h2d t"}
+    assert [e["name"] for e in spans if e["cat"] == "op"] == ["a", "b", "c", "recompute t (b)"]  # as run --trace
 
 
 def test_memory_counter_follows_residency_and_workspace():
