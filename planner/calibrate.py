@@ -6,7 +6,9 @@ stream, 2 us after an event from another stream, measured in H100 replay traces)
 slow each other down. Both scale with the number of ops, so the planner adds one constant, `dispatch_us`, to
 every op's profiled time. It is fitted here: each reported plan's streams and waits are replayed (the check's
 simulation) with every op's duration raised by a trial dispatch time, and bisection finds the one whose mean
-relative error over the runs is zero.
+relative error over the runs is zero. Plans on one compute stream run no op beside another and get a dispatch
+time of their own, fitted on their runs alone (H100 training b32: 0 us, the serial plans ran 1-6% under their
+ops' times alone, where plans on four streams need about 2 us an op).
 
 Host copies are slower inside an iteration than alone (H100: 45-53 GB/s against 55 GB/s profiled; they share
 the memory system with the kernels), and a plan whose prefetch ends just in time stalls when it runs late. With
@@ -20,9 +22,10 @@ plan's copy time. `copy_interference` is that cost per microsecond of copy: the 
 replay leaves unexplained in the runs with copies against their copy time, once the dispatch time is fitted on
 the runs without (or, when every run copies, by alternating the two fits).
 
-The plans price no co-running: an op beside others is priced at its time alone. With traces, `co_running` sets
-each op's kernel time inside the iteration against its time alone, by the op's own SM share, which is what such a
-price would be fitted from (H100, GoogLeNet training: x1.5 below 20% of the SMs beside others).
+Beyond that per-op constant the plans price no co-running: an op beside others is priced at its time alone.
+With traces, `co_running` sets each op's kernel time inside the iteration against its time alone, by the op's
+own SM share, which is what such a price would be fitted from (H100, GoogLeNet training: x1.5 below 20% of the
+SMs beside others).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class Calibrated:
     plan: Plan
     measured_us: float
     fitted_us: float = 0.0
+    dispatch_us: float = 0.0  # the dispatch time fitted for its kind of plan (one compute stream or several)
     copy_slowdown: dict[str, float] = field(default_factory=dict)  # the plan's copies re-priced at these (a
     # direction left out keeps the slowdown the plan was solved with)
 
@@ -97,24 +101,31 @@ def mean_error(runs: list[Calibrated], dispatch_us: float, copy_interference: fl
     return sum(r.simulated_us(dispatch_us, copy_interference) / r.measured_us - 1 for r in runs) / len(runs)
 
 
-def fit(runs: list[Calibrated]) -> tuple[float, float]:
-    """(dispatch_us, copy_interference) for the runs; sets each run's `fitted_us`."""
+def fit(runs: list[Calibrated]) -> tuple[float | None, float | None, float]:
+    """(dispatch_us of plans on several compute streams, of plans on one, copy_interference) for the runs, a
+    dispatch time None where no run is of that kind: one stream runs no op beside another, so what its ops add is
+    fitted apart (DeviceInfo.one_stream_dispatch_us). Sets each run's `dispatch_us` and `fitted_us`."""
     if not runs:
         raise PlannerError("no run reports to calibrate from")
-    plain = [r for r in runs if not r.plan.copies]
+    kinds = [[r for r in runs if r.plan.compute_streams > 1], [r for r in runs if r.plan.compute_streams == 1]]
+    dispatch: list[float | None] = [None, None]
     interference = 0.0
-    for _ in range(1 if plain else ROUNDS):
-        dispatch = fit_dispatch_us(plain or runs, interference)
-        interference = fit_copy_interference(runs, dispatch)
+    for _ in range(1 if all(any(not r.plan.copies for r in kind) for kind in kinds if kind) else ROUNDS):
+        dispatch = [fit_dispatch_us([r for r in kind if not r.plan.copies] or kind, interference) if kind else None
+                    for kind in kinds]
+        for kind, d in zip(kinds, dispatch):
+            for r in kind:
+                r.dispatch_us = d
+        interference = fit_copy_interference(runs)
     for r in runs:
-        r.fitted_us = r.simulated_us(dispatch, interference)
-    return dispatch, interference
+        r.fitted_us = r.simulated_us(r.dispatch_us, interference)
+    return dispatch[0], dispatch[1], interference
 
 
-def fit_copy_interference(runs: list[Calibrated], dispatch_us: float) -> float:
-    """Least squares through the origin of (measured - replayed) against copy time over the runs with copies:
-    sum(c * e) / sum(c^2), at least 0 (copies do not speed compute up)."""
-    pairs = [(r.copy_us, r.measured_us - r.simulated_us(dispatch_us, 0.0)) for r in runs if r.plan.copies]
+def fit_copy_interference(runs: list[Calibrated]) -> float:
+    """Least squares through the origin of (measured - replayed at each run's dispatch time) against copy time
+    over the runs with copies: sum(c * e) / sum(c^2), at least 0 (copies do not speed compute up)."""
+    pairs = [(r.copy_us, r.measured_us - r.simulated_us(r.dispatch_us, 0.0)) for r in runs if r.plan.copies]
     squares = sum(c * c for c, _ in pairs)
     return round(max(0.0, sum(c * e for c, e in pairs) / squares), 4) if squares else 0.0
 
@@ -172,10 +183,11 @@ def pair(report: RunReport, plan: Plan, name: str) -> Calibrated:
     return Calibrated(name, plan, report.measured_median_us)
 
 
-def write_calibration(targets: list[Path], fingerprint: str, mode: str, dispatch_us: float,
-                      copy_slowdown: dict[str, float], copy_interference: float | None) -> list[Path]:
-    """Set the mode's dispatch time and the copy slowdown in profile files and in store directories (their file
-    for the device); every target is checked before any is written."""
+def write_calibration(targets: list[Path], fingerprint: str, mode: str, dispatch_us: float | None,
+                      copy_slowdown: dict[str, float], copy_interference: float | None,
+                      one_stream_dispatch_us: float | None = None) -> list[Path]:
+    """Set the mode's dispatch times and the copy slowdown in profile files and in store directories (their file
+    for the device); every target is checked before any is written. None leaves a value as it is."""
     writes = []
     for target in targets:
         if target.is_dir():
@@ -190,9 +202,9 @@ def write_calibration(targets: list[Path], fingerprint: str, mode: str, dispatch
         writes.append((target, profile))
     for path, what in writes:
         if isinstance(what, ProfileStore):
-            what.set_calibration(mode, dispatch_us, copy_slowdown, copy_interference)
+            what.set_calibration(mode, dispatch_us, copy_slowdown, copy_interference, one_stream_dispatch_us)
         else:
-            what.device.calibrate(mode, dispatch_us, copy_slowdown, copy_interference)
+            what.device.calibrate(mode, dispatch_us, copy_slowdown, copy_interference, one_stream_dispatch_us)
             save_model(what, path)
     return [path for path, _ in writes]
 

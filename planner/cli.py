@@ -366,7 +366,7 @@ def calibrate(
                                                                      "the fitted dispatch time (and copy slowdown)"),
 ):
     """Fit the per-op dispatch time (and, from traces, the copy slowdown) that make the plans' predictions match
-    measured runs; --write stores them."""
+    measured runs, apart for plans on one compute stream; --write stores them."""
     import json
 
     from planner.calibrate import (co_running, co_running_rows, fit, fit_copy_slowdown, pair,
@@ -400,17 +400,19 @@ def calibrate(
     copy_slowdown = fit_copy_slowdown(copies)
     for r in runs:
         r.copy_slowdown = copy_slowdown
-    dispatch, interference = fit(runs)
-    slowdown = ", ".join(f"{d} copies x{v:.3f}" for d, v in copy_slowdown.items())
+    dispatch, one_stream_dispatch, interference = fit(runs)
+    fitted = [f"dispatch time per op {d:.2f} us{where}" for d, where in
+              ((dispatch, " on several streams"), (one_stream_dispatch, " on one stream")) if d is not None]
+    fitted += [f"{d} copies x{v:.3f}" for d, v in copy_slowdown.items()]
     if not any(r.plan.copies for r in runs):
         interference = None  # nothing to fit it from: the stored value stays
     else:
-        slowdown += f"; copy interference {interference:.3f} us per us of copy"
-    table = Table(title=f"{mode}: dispatch time per op {dispatch:.2f} us{'; ' + slowdown if slowdown else ''}")
-    for col in ("run", "ops", "measured us", "predicted us (error)", "at the fitted values (error)"):
+        fitted.append(f"copy interference {interference:.3f} us per us of copy")
+    table = Table(title=f"{mode}: " + "; ".join(fitted))
+    for col in ("run", "streams", "ops", "measured us", "predicted us (error)", "at the fitted values (error)"):
         table.add_column(col, justify="left" if col == "run" else "right", overflow="fold")
     for r in runs:  # errors as `planner run` reports them: measured over predicted, minus 1
-        table.add_row(r.name, str(len(r.plan.ops)), f"{r.measured_us:.1f}",
+        table.add_row(r.name, str(r.plan.compute_streams), str(len(r.plan.ops)), f"{r.measured_us:.1f}",
                       f"{r.predicted_us:.1f} ({r.measured_us / r.predicted_us - 1:+.1%})",
                       f"{r.fitted_us:.1f} ({r.measured_us / r.fitted_us - 1:+.1%})")
     console.print(table)
@@ -421,7 +423,8 @@ def calibrate(
         for what, count, alone_us, inside_us in co_running_rows(beside):
             table.add_row(what, str(count), f"{alone_us:.1f}", f"{inside_us:.1f}", f"x{inside_us / alone_us:.2f}")
         console.print(table)
-    for path in write_calibration(write or [], fingerprints.pop(), mode, dispatch, copy_slowdown, interference):
+    for path in write_calibration(write or [], fingerprints.pop(), mode, dispatch, copy_slowdown, interference,
+                                  one_stream_dispatch):
         console.print(f"calibration written to {path}")
 
 

@@ -87,6 +87,7 @@ class Problem:
     device: DeviceInfo
     estimated: bool
     simplifications: list[str] = field(default_factory=list)
+    dispatch_us: float = 0.0  # what every op's duration adds to its profiled time (DeviceInfo.dispatch_for)
 
     @property
     def op_index(self) -> dict[str, int]:
@@ -132,9 +133,10 @@ def choose_tick_us(total_us: float) -> float:
 
 
 def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, offload: bool = True,
-                  recompute: bool = True, dram: bool = False) -> Problem:
-    """The scheduling problem of one graph with the costs of one profile; without `dram`, every DRAM demand is 0
-    (the bandwidth is not a constraint)."""
+                  recompute: bool = True, dram: bool = False, streams: int = 2) -> Problem:
+    """The scheduling problem of one graph with the costs of one profile for plans on `streams` compute streams
+    (one stream runs nothing side by side: its ops pay the one-stream dispatch time); without `dram`, every DRAM
+    demand is 0 (the bandwidth is not a constraint)."""
     if profile.graph_sha256 not in (None, graph.graph_sha256):
         raise PlannerError("the profile was assembled for another graph (model, batch, dtype or mode differ)")
     if profile.dtype != graph.dtype:
@@ -156,8 +158,10 @@ def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, off
     if tick_us > MIN_TICK_US:
         simplifications.append(f"time grid coarsened to {tick_us:g} us")
 
+    dispatch_us = profile.device.dispatch_for(graph.training, streams)
+
     def alternative(c: Candidate) -> Alternative:  # each op also pays the device's calibrated dispatch time
-        time_us = c.time_us + profile.device.dispatch_for(graph.training)
+        time_us = c.time_us + dispatch_us
         return Alternative(c.name, time_us, max(1, round(time_us / tick_us)), c.workspace_bytes,
                            max(1, min(SM_CAPACITY, math.ceil(c.sm_fraction * SM_CAPACITY - 1e-9))),
                            max(0, min(DRAM_CAPACITY, math.ceil(c.dram_fraction * DRAM_CAPACITY - 1e-9))) if dram else 0)
@@ -179,7 +183,7 @@ def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, off
         ops[index[n.name]].preds = sorted(preds)
     resident = sum(t.bytes for name, t in graph.tensors.items() if t.alias_of is None and t.persistent)
     problem = Problem(graph.model_name, graph.training, ops, tensors, resident, tick_us, profile.device,
-                      profile.estimated, simplifications)
+                      profile.estimated, simplifications, dispatch_us)
     fused = {chain: replace(a := alternative(min(profile.ops[n.signature].candidates, key=lambda c: c.time_us)),
                             name=FUSED_RECOMPUTE + a.name)
              for chain, n in recompute_nodes(graph).items() if profile.ops.get(n.signature)

@@ -106,14 +106,25 @@ class DeviceInfo(BaseModel):
         "slower and the ops waiting on a copy chain fall behind (H100 ResNet-50 training: forward 9% slower "
         "while offloads run); fitted from measured runs by `planner calibrate`, 0 until then")
 
-    def dispatch_for(self, training: bool) -> float:
-        return self.dispatch_us.get("training" if training else "inference", 0.0)
+    one_stream_dispatch_us: dict[Literal["training", "inference"], float] = Field(
+        default_factory=dict, description="the same in a plan on one compute stream, where no op runs beside another "
+        "(H100 training b32: 0, serial plans ran 1-6% under their ops' times alone); fitted from one-stream runs "
+        "by `planner calibrate`, 0 until then")
 
-    def calibrate(self, mode: Literal["training", "inference"], dispatch_us: float,
-                  copy_slowdown: dict[str, float], copy_interference: float | None) -> None:
-        """Record what `planner calibrate` fitted: the mode's dispatch time, the directions' copy slowdown and
-        the copy interference (None: no run copied, keep it)."""
-        self.dispatch_us[mode] = dispatch_us
+    def dispatch_for(self, training: bool, streams: int = 2) -> float:
+        """What each op adds to its profiled time in a plan on `streams` compute streams."""
+        table = self.one_stream_dispatch_us if streams == 1 else self.dispatch_us
+        return table.get("training" if training else "inference", 0.0)
+
+    def calibrate(self, mode: Literal["training", "inference"], dispatch_us: float | None,
+                  copy_slowdown: dict[str, float], copy_interference: float | None,
+                  one_stream_dispatch_us: float | None = None) -> None:
+        """Record what `planner calibrate` fitted: the mode's dispatch time on several streams and on one, the
+        directions' copy slowdown and the copy interference (None: nothing to fit it from, keep it)."""
+        if dispatch_us is not None:
+            self.dispatch_us[mode] = dispatch_us
+        if one_stream_dispatch_us is not None:
+            self.one_stream_dispatch_us[mode] = one_stream_dispatch_us
         self.copy_slowdown.update(copy_slowdown)
         if copy_interference is not None:
             self.copy_interference = copy_interference

@@ -126,7 +126,7 @@ def build_plan(graph: Graph, p: Problem, s: Schedule, totals: Totals, streams_li
         else:
             tu = p.tensors[it.index]
             copies.append(Copy(tensor=tu.name, direction=it.kind, bytes=tu.bytes, **common))
-    totals.dispatch_us = p.device.dispatch_for(p.training)
+    totals.dispatch_us = p.dispatch_us
     totals.copy_slowdown = dict(p.device.copy_slowdown)
     lives = residency(p, s.decision, tm)
     tensors = [Residency(tensor=tu.name, bytes=tu.bytes, decision=s.decision.get(t, "keep"), intervals_us=lives[t],

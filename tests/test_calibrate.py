@@ -128,11 +128,42 @@ def test_the_fit_recovers_the_copy_interference_from_runs_with_and_without_copie
     copy_us = sum(c.end_us - c.start_us for c in copying.copies)
     runs = [Calibrated("plain", plain, simulated_makespan_us(plain, 2.0)),
             Calibrated("copying", copying, simulated_makespan_us(copying, 2.0) + 0.08 * copy_us)]
-    dispatch, interference = fit(runs)
+    dispatch, one_stream, interference = fit(runs)
     assert dispatch == pytest.approx(2.0, abs=0.02) and interference == pytest.approx(0.08, abs=0.002)
+    assert one_stream is None  # no run on one stream
     assert all(r.fitted_us == pytest.approx(r.measured_us, rel=2e-3) for r in runs)
     runs[1].measured_us = simulated_makespan_us(copying, 2.0) - 0.05 * copy_us  # copies never speed compute up
-    assert fit(runs)[1] == 0.0
+    assert fit(runs)[2] == 0.0
+
+
+def test_runs_on_one_stream_get_a_dispatch_time_of_their_own(solved, tmp_path):
+    """A plan on one compute stream runs nothing side by side: its runs are fitted apart, stored apart, and solve
+    prices one-stream plans with that time."""
+    g, prof, several = solved
+    assert several.compute_streams > 1
+    serial = solve_plan(g, prof, prof.device.memory_bytes, Options(streams=1, time_limit_s=0))
+    assert serial.compute_streams == 1
+    runs = [Calibrated("several", several, simulated_makespan_us(several, 3.0)),
+            Calibrated("serial", serial, simulated_makespan_us(serial, 0.5))]
+    dispatch, one_stream, _ = fit(runs)
+    assert dispatch == pytest.approx(3.0, abs=0.02) and one_stream == pytest.approx(0.5, abs=0.02)
+    profile_file = tmp_path / "profile.json"
+    save_model(prof, profile_file)
+    for name, plan, measured in (("several", several, simulated_makespan_us(several, 3.0)),
+                                 ("serial", serial, simulated_makespan_us(serial, 0.5))):
+        save_model(plan, tmp_path / f"{name}.plan.json")
+        save_model(_report(plan, tmp_path / f"{name}.plan.json", measured), tmp_path / f"{name}.json")
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "several.json"), str(tmp_path / "serial.json"),
+                                      "--write", str(profile_file)])
+    assert result.exit_code == 0, result.output
+    assert "0.50 us on one stream" in result.output
+    device = load_model(Profile, profile_file).device
+    assert device.dispatch_us["inference"] == pytest.approx(3.0, abs=0.02)
+    assert device.one_stream_dispatch_us["inference"] == pytest.approx(0.5, abs=0.02)
+    again = solve_plan(g, load_model(Profile, profile_file), prof.device.memory_bytes,
+                       Options(streams=1, time_limit_s=0))
+    assert again.totals.dispatch_us == device.one_stream_dispatch_us["inference"]
+    assert check_plan(again).ok
 
 
 def test_a_trace_without_the_plans_copies_is_refused(offloading, tmp_path):
@@ -179,3 +210,28 @@ def test_a_trace_with_a_kernel_missing_its_duration_is_refused(solved, tmp_path)
     (tmp_path / "trace.json").write_text(json.dumps(broken))
     result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--trace", str(tmp_path / "trace.json")])
     assert result.exit_code != 0 and "not a readable trace" in str(result.exception)
+
+
+@pytest.mark.parametrize("capped", [False, True])
+def test_solve_offers_the_serial_plan_when_running_side_by_side_is_priced_dearer(solved, offloading, capped):
+    """Ops on several streams pay the calibrated dispatch time, which stands in for their slowing each other; one
+    stream runs nothing side by side. When that price outweighs what the streams overlap, the plan is the
+    framework-style serial one where it fits the cap, and the lower bound covers it; under a cap it does not fit,
+    the search's plan stays."""
+    g, prof, cap = (*offloading[:3],) if capped else (*solved[:2], solved[1].device.memory_bytes)
+    mode = "training" if g.training else "inference"
+    dear = prof.model_copy(deep=True)
+    dear.device.dispatch_us[mode], dear.device.one_stream_dispatch_us[mode] = 40.0, 0.0
+    plan = solve_plan(g, dear, cap, Options(time_limit_s=0, recompute=not capped))
+    t = plan.totals
+    if capped:
+        assert plan.compute_streams > 1 and plan.copies and "one_stream" not in t.bounds_us
+        assert t.lower_bound_us == max(t.bounds_us.values()) and t.dispatch_us == 40.0
+    else:
+        assert plan.compute_streams == 1 and t.dispatch_us == 0.0 and "the serial baseline" in t.status
+        assert t.bounds_us["one_stream"] == pytest.approx(t.makespan_us)
+        assert t.lower_bound_us == min(t.bounds_us["one_stream"],
+                                       max(v for k, v in t.bounds_us.items() if k != "one_stream"))
+        assert t.makespan_us <= t.baseline_makespan_us  # concats as views, or the baseline itself
+    assert t.lower_bound_us <= t.predicted_us
+    assert check_plan(plan).ok
