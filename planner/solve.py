@@ -128,7 +128,8 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
             plan = solve(graph, profile)
             plan.totals.status += f"; {len(views)} concats copied{why}"
             return plan
-    copying = _baseline(_problem(graph, profile, options, work, streams=1))[1:]
+    one_stream = _problem(graph, profile, options, work, streams=1)
+    serial, serial_us, serial_peak = _baseline(one_stream)
 
     def on_model(plan: Plan) -> Plan:  # the viewed graph's plan, for the model as given (its concats as views)
         return plan.model_copy(update={"graph_sha256": graph.graph_sha256, "concat_views": views})
@@ -143,7 +144,10 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
         return plan
     plan = on_model(plan)
     plan.totals.status += f"; {len(views)} concats as views{why}"
-    return _framework_baseline(plan, copying)
+    if options.streams > 1 and serial_peak <= cap_bytes:  # the framework's serial plan copies its concats
+        if fits_device(graph, serial_plan := _plan_of(graph, one_stream, serial, cap_bytes, 1), cap_bytes):
+            plan = _serial_or(plan, serial_plan)
+    return _framework_baseline(plan, (serial_us, serial_peak))
 
 
 def _list_schedule_us(graph: Graph, profile: Profile, options: Options, work: Work) -> float:
@@ -283,15 +287,16 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
 
 
 def _serial_or(plan: Plan, serial: Plan) -> Plan:
-    """The plan, or the framework-style serial plan (which fits the cap) where that is predicted faster; the
-    lower bound then covers both. On several streams every op pays the calibrated dispatch time, which stands in
-    for the slowdown of ops run side by side; on one stream nothing runs beside it (H100 training b32, measured:
-    ResNet-50 serial 7.09 ms against 7.27 ms on four streams, predicted 7517.9 against 7712.3 us). Only the
-    serial plan that keeps everything is offered: a one-stream plan with offloads ran 0.7% slower than the
-    four-stream one at 50% of ResNet-50's serial peak, although predicted 2.4% faster (docs/BENCHMARKS.md)."""
+    """The plan, or a serial plan that keeps everything (which fits the cap: the framework-style baseline, or
+    the same with concats as views) where that is predicted faster; the lower bound then covers both. On several
+    streams every op pays the calibrated dispatch time, which stands in for the slowdown of ops run side by side;
+    on one stream nothing runs beside it (H100 training b32, measured: ResNet-50 serial 7.09 ms against 7.27 ms
+    on four streams, predicted 7517.9 against 7712.3 us). One-stream plans that offload are not offered: at 50%
+    of ResNet-50's serial peak one ran 0.7% slower than the four-stream plan, although predicted 2.4% faster
+    (docs/BENCHMARKS.md)."""
     several_us = plan.totals.lower_bound_us
     if serial.totals.predicted_us < plan.totals.predicted_us:
-        why = (f"the serial baseline: predicted {serial.totals.predicted_us:.1f} us against "
+        why = (f"serial (one stream, every tensor kept): predicted {serial.totals.predicted_us:.1f} us against "
                f"{plan.totals.predicted_us:.1f} us on {plan.compute_streams} streams (priced with "
                f"{plan.totals.dispatch_us:g} us per op for running side by side)")
         kept = plan.totals.model_dump(include={"mem_cap_bytes", "bounds_us", "baseline_makespan_us",
@@ -299,8 +304,9 @@ def _serial_or(plan: Plan, serial: Plan) -> Plan:
         plan = serial.model_copy(update={"totals": serial.totals.model_copy(update={
             **kept, "status": f"{why}; {plan.totals.status}"})})
     totals = plan.totals
-    totals.bounds_us = {**totals.bounds_us, "one_stream": serial.totals.makespan_us}
-    totals.lower_bound_us = min(several_us, serial.totals.makespan_us)
+    one_stream_us = min(totals.bounds_us.get("one_stream", math.inf), serial.totals.makespan_us)
+    totals.bounds_us = {**totals.bounds_us, "one_stream": one_stream_us}  # several serial plans: the faster
+    totals.lower_bound_us = min(several_us, one_stream_us)
     totals.gap = max(0.0, 1 - totals.lower_bound_us / totals.predicted_us) if totals.predicted_us else 0.0
     return plan
 
