@@ -220,6 +220,11 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     slack = fit_slack(p, options.streams, work)
     refined = options.time_limit_s > 0  # the search follows the heuristic (heuristic.recompute_over_offload)
     first_s = None
+    if on_progress and p1 is not p and base_peak <= cap_bytes:  # the serial plan is offered at the end (done)
+        report = on_progress
+
+        def on_progress(makespan_us: float, bound_us: float, elapsed_s: float) -> None:
+            report(min(makespan_us, base_us), min(bound_us, base_us), elapsed_s)
 
     built: dict[tuple[int, int], Plan] = {}  # (solver cap, id of the hint): the heuristic's plan
 
