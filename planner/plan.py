@@ -105,6 +105,10 @@ class Totals(BaseModel):
         """The iteration time `planner run` is expected to measure: the replayed makespan plus copy interference."""
         return self.makespan_us + self.copy_interference_us
 
+    def gap_to_bound(self) -> float:
+        """What `gap` holds: 1 - lower bound / predicted time (0 when nothing is predicted)."""
+        return max(0.0, 1 - self.lower_bound_us / self.predicted_us) if self.predicted_us else 0.0
+
 
 class Plan(BaseModel):
     kind: Literal["plan"] = "plan"

@@ -144,9 +144,9 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
         return plan
     plan = on_model(plan)
     plan.totals.status += f"; {len(views)} concats as views{why}"
-    if options.streams > 1 and serial_peak <= cap_bytes:  # the framework's serial plan copies its concats
-        if fits_device(graph, serial_plan := _plan_of(graph, one_stream, serial, cap_bytes, 1), cap_bytes):
-            plan = _serial_or(plan, serial_plan)
+    if options.streams > 1:  # the framework's serial plan copies its concats
+        plan = _offer_serial(plan, graph, one_stream, serial, serial_peak, cap_bytes,
+                             lambda serial_plan: fits_device(graph, serial_plan, cap_bytes))
     return _framework_baseline(plan, (serial_us, serial_peak))
 
 
@@ -255,8 +255,8 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         return plan
 
     def done(plan: Plan) -> Plan:
-        if p1 is not p and base_peak <= cap_bytes and fits(serial := _plan_of(graph, p1, base, cap_bytes, 1)):
-            plan = _serial_or(plan, serial)
+        if p1 is not p:
+            plan = _offer_serial(plan, graph, p1, base, base_peak, cap_bytes, fits)
         plan.totals.first_plan_s = first_s if first_s is not None else time.monotonic() - t0
         return plan
 
@@ -291,6 +291,14 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     return done(plan)
 
 
+def _offer_serial(plan: Plan, graph: Graph, p1: Problem, serial: Schedule, serial_peak: int, cap_bytes: int,
+                  fits: Callable[[Plan], bool]) -> Plan:
+    """`_serial_or` with the serial schedule of the one-stream problem `p1`, where its peak and arena fit the cap."""
+    if serial_peak <= cap_bytes and fits(serial_plan := _plan_of(graph, p1, serial, cap_bytes, 1)):
+        return _serial_or(plan, serial_plan)
+    return plan
+
+
 def _serial_or(plan: Plan, serial: Plan) -> Plan:
     """The plan, or a serial plan that keeps everything (which fits the cap: the framework-style baseline, or
     the same with concats as views) where that is predicted faster; the lower bound then covers both. On several
@@ -312,7 +320,7 @@ def _serial_or(plan: Plan, serial: Plan) -> Plan:
     one_stream_us = min(totals.bounds_us.get("one_stream", math.inf), serial.totals.makespan_us)
     totals.bounds_us = {**totals.bounds_us, "one_stream": one_stream_us}  # several serial plans: the faster
     totals.lower_bound_us = min(several_us, one_stream_us)
-    totals.gap = max(0.0, 1 - totals.lower_bound_us / totals.predicted_us) if totals.predicted_us else 0.0
+    totals.gap = totals.gap_to_bound()
     return plan
 
 

@@ -142,7 +142,7 @@ def build_plan(graph: Graph, p: Problem, s: Schedule, totals: Totals, streams_li
     totals.offloaded_bytes = sum(p.tensors[t].bytes for t, d in s.decision.items() if d == "offload")
     totals.recomputed_bytes = sum(p.tensors[t].bytes for t, d in s.decision.items() if d == "recompute")
     totals.tick_us = p.tick_us
-    totals.gap = max(0.0, 1 - totals.lower_bound_us / totals.predicted_us) if totals.predicted_us else 0.0
+    totals.gap = totals.gap_to_bound()
     totals.simplifications = list(p.simplifications)
     return Plan(graph_sha256=graph.graph_sha256, model_name=graph.model_name, batch=graph.batch, dtype=graph.dtype,
                 training=graph.training, device_fingerprint=p.device.fingerprint, estimated=p.estimated,
