@@ -297,7 +297,7 @@ def solve(p: Problem, cap_bytes: int, streams: int, horizon: int, time_limit_s: 
     unless the wall clock reaches four times the limit, or `max_wall_s`, first.
 
     With minimize_memory the objective is the peak alone (the smallest cap any schedule fits, for exit 3), and
-    the bound returned is in bytes.
+    the bound returned is in bytes, the schedule one that peaks at `peak_bytes`.
     """
     m = cp_model.CpModel()
     v = new_variables(m, p, horizon)
@@ -334,9 +334,6 @@ def solve(p: Problem, cap_bytes: int, streams: int, horizon: int, time_limit_s: 
     name = solver.status_name(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return SolveResult(None, name, 0, wall, callback.count)
-    if minimize_memory:
-        return SolveResult(None, name, p.resident_bytes + int(solver.best_objective_bound), wall, callback.count,
-                           p.resident_bytes + solver.value(v.peak))
     s = Schedule(alt=[next(a for a, lit in enumerate(lits) if solver.boolean_value(lit)) for lits in v.present],
                  start=[solver.value(x) for x in v.start], status=name)
     for t in v.keep:
@@ -347,4 +344,7 @@ def solve(p: Problem, cap_bytes: int, streams: int, horizon: int, time_limit_s: 
         elif solver.boolean_value(v.recompute[t]):
             s.decision[t] = "recompute"
             s.recompute_start[t] = solver.value(v.rec[t].start_expr())
+    if minimize_memory:
+        return SolveResult(s, name, p.resident_bytes + int(solver.best_objective_bound), wall, callback.count,
+                           p.resident_bytes + solver.value(v.peak))
     return SolveResult(s, name, int(solver.best_objective_bound) // weight, wall, callback.count)

@@ -23,7 +23,7 @@ from planner.files import PlannerError, load_model
 from planner.ir import Graph
 from planner.memsize import parse_size, parse_sizes
 from planner.onnx_import import import_onnx
-from planner.heuristic import Work, fit_cap, list_schedule, recompute_over_offload
+from planner.heuristic import Work, baseline, fit_cap, list_schedule, recompute_over_offload
 from planner.problem import Alternative, Op, Problem, TensorUse, build_problem
 from planner.schedule import peak_memory, residency, timed
 from planner.profile import Profile
@@ -159,14 +159,38 @@ def test_random_plans_pass_the_independent_check(seed):
 def test_minimum_cap_is_the_smallest_that_works():
     p = random_problem(random.Random(7), n_ops=8, n_alts=2, training=True)
     from planner.solve import _cap_too_small
-    minimum = _cap_too_small(p, 1, Options(time_limit_s=10, workers=2), "INFEASIBLE").minimum_bytes
+    error = _cap_too_small(p, 1, Options(time_limit_s=10, workers=2), "INFEASIBLE")
+    minimum = error.minimum_bytes
+    assert "minimum cap" in str(error)
+    assert peak_memory(p, error.schedule.decision, timed(p, error.schedule))[0] == minimum
     assert solve_tiny(p, minimum, 4).schedule is not None
     assert solve_tiny(p, minimum - 1, 4).status == "INFEASIBLE"
+
+
+def test_the_leanest_heuristic_schedule_peaks_where_it_says():
+    from planner.solve import _leanest
+    for seed in range(5):
+        p = random_problem(random.Random(seed), n_ops=8, n_alts=2, training=True)
+        serial = baseline(p)
+        schedule, peak = _leanest(p, 4, 0)
+        assert peak == peak_memory(p, schedule.decision, timed(p, schedule))[0]
+        assert peak <= peak_memory(p, serial.decision, timed(p, serial))[0]
 
 
 @pytest.fixture(scope="module")
 def googlenet_train_b1():
     return build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=1, dtype="fp16", training=True))
+
+
+def test_the_minimum_cap_covers_the_runners_arena(googlenet_train_b1):
+    from planner.solve import _plan_of, _with_arena
+    g = googlenet_train_b1
+    p = build_problem(g, estimate_profile(g, H100))
+    serial = baseline(p)
+    peak = peak_memory(p, serial.decision, timed(p, serial))[0]
+    error = _with_arena(CapTooSmall("no schedule fits", peak, serial), g, p, 4)
+    assert error.minimum_bytes == device_bytes(g, _plan_of(g, p, serial, peak, 4)) > peak
+    assert "arena needs" in str(error) and error.exit_code == 3
 
 
 def test_googlenet_inference_beats_serial_and_checks():
