@@ -138,10 +138,13 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
 
     try:
         plan = solve(viewed_graph, viewed_profile, (lambda first: on_plan(on_model(first))) if on_plan else None)
-    except CapTooSmall:
+    except CapTooSmall as as_views:
         if options.concat == "view":
             raise
-        plan = solve(graph, profile)
+        try:
+            plan = solve(graph, profile)
+        except CapTooSmall as copied:  # the lesser cap that works: solving at it takes the views first
+            raise min(as_views, copied, key=lambda e: e.minimum_bytes) from None
         plan.totals.status += f"; {len(views)} concats copied (as views no plan fits){why}"
         return plan
     plan = on_model(plan)
