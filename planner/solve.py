@@ -570,13 +570,13 @@ def _leanest(p: Problem, streams: int, failed_bytes: int) -> tuple[Schedule, int
     """(schedule, its peak bytes): the leanest the heuristic finds, bisecting the cap (to LEANEST_TOLERANCE)
     between `failed_bytes`, where it found none, and the serial schedule's peak. GoogLeNet training b32: 7 caps,
     1-2 s each on the development machine."""
-    best = baseline(p)
-    peak = peak_memory(p, best.decision, timed(p, best))[0]
+    best, _, peak = _baseline(p)
     slack, low = fit_slack(p, streams), failed_bytes
     while peak - low > LEANEST_TOLERANCE * peak:
-        found = best_heuristic(p, (low + peak) // 2, streams, slack, QUICK_EVALS)
+        mid = (low + peak) // 2
+        found = best_heuristic(p, mid, streams, slack, QUICK_EVALS)
         if found is None:
-            low = (low + peak) // 2
+            low = mid
         else:
             best, peak = found, peak_memory(p, found.decision, timed(p, found))[0]
     return best, peak
