@@ -372,11 +372,14 @@ def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: 
     (d2h_t + h2d_t), for the cut op that gives most; H = start(v), A = C - start(v):
       H >= head(v);  H >= the earliest end of their producers + sum o_t d2h_t   (one copy engine, done by start(v))
       A >= fastest(v) + tail(v);  A >= sum o_t h2d_t + least fastest + tail of a backward reader   (copies back)
-      A >= SM work of v and its descendants + sum r_t x the recomputation's SM work   (recomputations after start(v))
-    Offloading and recomputing only add work, so nothing else changes; the relaxation is a linear program. On the
-    CHAIN_FILL_CUTS cuts that give most, A also bounds `chain_fill` over v and its descendants, the recomputations
-    among the fillers (each a share r_t of itself)."""
-    fastest, area = dag.fastest_us(), dag.least(sm_share)
+      A >= work of v and its descendants + sum r_t x the recomputation's work   (recomputations after start(v))
+      H + A >= work of every op + sum r_t x the recomputation's work
+    where work is time x rate, for the SM share and for 1 / streams (on one stream: every op's time, which the SM
+    share leaves out). Offloading and recomputing only add work, so nothing else changes; the relaxation is a
+    linear program. On the CHAIN_FILL_CUTS cuts that give most, A also bounds `chain_fill` over v and its
+    descendants, the recomputations among the fillers (each a share r_t of itself)."""
+    fastest = dag.fastest_us()
+    works = [(rate, dag.least(rate)) for rate in (sm_share, lambda alt: 1.0 / streams)]
     pos = {op: k for k, op in enumerate(dag.order)}
     related = anc | anc.T
     programs = []
@@ -399,8 +402,10 @@ def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: 
         back = min(fastest[pos[c]] + tails[pos[c]] for t in away for c in t.late)
         lp.row({**{o + i: t.d2h_us for i, t in enumerate(away) if t.can_offload}, h: -1.0}, -made)
         lp.row({**{o + i: t.h2d_us for i, t in enumerate(away) if t.can_offload}, a: -1.0}, -back)
-        lp.row({**{r + i: t.recompute.time_us * sm_share(t.recompute) for i, t in enumerate(away)
-                   if t.can_recompute}, a: -1.0}, -float(area[v] + area[anc[:, v]].sum()))
+        for rate, least in works:
+            recomputed = {r + i: t.recompute.time_us * rate(t.recompute) for i, t in enumerate(away) if t.can_recompute}
+            lp.row({**recomputed, a: -1.0}, -float(least[v] + least[anc[:, v]].sum()))
+            lp.row({**recomputed, h: -1.0, a: -1.0}, -float(least.sum()))
         lp.row({**{o + i: -float(t.bytes) for i, t in enumerate(away)},
                 **{r + i: -float(t.bytes) for i, t in enumerate(away)}}, -float(excess))
         best = lp.solve()

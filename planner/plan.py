@@ -77,9 +77,10 @@ class Totals(BaseModel):
     lower_bound_us: float = Field(description="no plan the solve considers is shorter: the largest bound on plans "
                                   "of several streams, or `one_stream` where that is less")
     bounds_us: dict[str, float] = Field(default_factory=dict, description="each lower bound on the iteration time "
-                                        "of plans on several streams, and `one_stream`: the framework-style serial "
-                                        "plan's, which the solve also offers where it fits the cap (its ops priced "
-                                        "without running side by side)")
+                                        "of plans on several streams, and `one_stream`: that of plans on one "
+                                        "stream (the framework-style serial plan where it fits the cap, else the "
+                                        "search's plan in serial form), which the solve also offers (their ops "
+                                        "priced without running side by side)")
     solver_makespan_us: float = Field(0.0, description="the makespan in the solver's time grid")
     baseline_makespan_us: float
     baseline_peak_bytes: int = 0

@@ -21,6 +21,7 @@ from planner.plan import Plan, Totals
 from planner.problem import Problem, build_problem
 from planner.profile import Profile
 from planner.schedule import Schedule, peak_memory, timed
+from planner.serialize import serial_form
 from planner.streams import build_plan
 
 EXIT_CAP_TOO_SMALL = 3
@@ -222,6 +223,10 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
 
     bounds = lower_bounds_us(p, options.streams, cap_bytes)  # under the user's cap, not the arena's target
     work.bounded += len(p.ops)
+    serial_form_bound_us = None  # under a binding cap the serial form of the plan is offered (`_offer_serial_form`)
+    if p1 is not p and base_peak > cap_bytes:
+        serial_form_bound_us = max(lower_bounds_us(p1, 1, cap_bytes).values())
+        work.bounded += len(p.ops)
     slack = fit_slack(p, options.streams, work)
     refined = options.time_limit_s > 0  # the search follows the heuristic (heuristic.recompute_over_offload)
     first_s = None
@@ -260,7 +265,9 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         return plan
 
     def done(plan: Plan) -> Plan:
-        if p1 is not p:
+        if serial_form_bound_us is not None:
+            plan = _offer_serial_form(plan, graph, p1, cap_bytes, serial_form_bound_us, fits)
+        elif p1 is not p:
             plan = _offer_serial(plan, graph, p1, base, base_peak, cap_bytes, fits)
         plan.totals.first_plan_s = first_s if first_s is not None else time.monotonic() - t0
         return plan
@@ -312,21 +319,32 @@ def _offer_serial(plan: Plan, graph: Graph, p1: Problem, serial: Schedule, seria
                   fits: Callable[[Plan], bool]) -> Plan:
     """`_serial_or` with the serial schedule of the one-stream problem `p1`, where its peak and arena fit the cap."""
     if serial_peak <= cap_bytes and fits(serial_plan := _plan_of(graph, p1, serial, cap_bytes, 1)):
-        return _serial_or(plan, serial_plan)
+        return _serial_or(plan, serial_plan, serial_plan.totals.makespan_us, "serial (one stream, every tensor kept)")
     return plan
 
 
-def _serial_or(plan: Plan, serial: Plan) -> Plan:
-    """The plan, or a serial plan that keeps everything (which fits the cap: the framework-style baseline, or
-    the same with concats as views) where that is predicted faster; the lower bound then covers both. On several
-    streams every op pays the calibrated dispatch time, which stands in for the slowdown of ops run side by side;
-    on one stream nothing runs beside it (H100 training b32, measured: ResNet-50 serial 7.09 ms against 7.27 ms
-    on four streams, predicted 7517.9 against 7712.3 us). One-stream plans that offload are not offered: at 50%
-    of ResNet-50's serial peak one ran 0.7% slower than the four-stream plan, although predicted 2.4% faster
-    (docs/BENCHMARKS.md)."""
+def _offer_serial_form(plan: Plan, graph: Graph, p1: Problem, cap_bytes: int, one_stream_bound_us: float,
+                       fits: Callable[[Plan], bool]) -> Plan:
+    """`_serial_or` with the plan's serial form (planner.serialize) on the one-stream problem `p1`, where it fits
+    the cap; `one_stream_bound_us` bounds every one-stream plan under the cap."""
+    schedule = serial_form(p1, plan, cap_bytes)
+    if schedule is not None and fits(serial_plan := _plan_of(graph, p1, schedule, cap_bytes, 1)):
+        return _serial_or(plan, serial_plan, one_stream_bound_us,
+                          "the plan's serial form (one stream, its items in the order they start, each op on its "
+                          "fastest algorithm that fits)")
+    return plan
+
+
+def _serial_or(plan: Plan, serial: Plan, one_stream_bound_us: float, what: str) -> Plan:
+    """The plan, or the serial plan `what` (which fits the cap) where that is predicted faster; the lower bound
+    then covers both: the lesser of the plan's and `one_stream_bound_us`, no one-stream plan's makespan being
+    less. On several streams every op pays the calibrated dispatch time, which stands in for the slowdown of ops
+    run side by side; on one stream nothing runs beside it (H100 training b32, measured: ResNet-50 serial 7.09 ms
+    against 7.27 ms on four streams, predicted 7517.9 against 7712.3 us; at 50% of its serial peak the serial
+    form 7.78 ms against 7.86, predicted 8129.2 against 8444.5; docs/BENCHMARKS.md)."""
     several_us = plan.totals.lower_bound_us
     if serial.totals.predicted_us < plan.totals.predicted_us:
-        why = (f"serial (one stream, every tensor kept): predicted {serial.totals.predicted_us:.1f} us against "
+        why = (f"{what}: predicted {serial.totals.predicted_us:.1f} us against "
                f"{plan.totals.predicted_us:.1f} us on {plan.compute_streams} streams (priced with "
                f"{plan.totals.dispatch_us:g} us per op for running side by side)")
         kept = plan.totals.model_dump(include={"mem_cap_bytes", "bounds_us", "baseline_makespan_us",
@@ -334,8 +352,8 @@ def _serial_or(plan: Plan, serial: Plan) -> Plan:
         plan = serial.model_copy(update={"totals": serial.totals.model_copy(update={
             **kept, "status": f"{why}; {plan.totals.status}"})})
     totals = plan.totals
-    one_stream_us = min(totals.bounds_us.get("one_stream", math.inf), serial.totals.makespan_us)
-    totals.bounds_us = {**totals.bounds_us, "one_stream": one_stream_us}  # several serial plans: the faster
+    one_stream_us = min(totals.bounds_us.get("one_stream", math.inf), one_stream_bound_us)  # views', copies'
+    totals.bounds_us = {**totals.bounds_us, "one_stream": one_stream_us}
     totals.lower_bound_us = min(several_us, one_stream_us)
     totals.gap = totals.gap_to_bound()
     return plan

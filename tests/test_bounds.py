@@ -195,6 +195,31 @@ def test_a_cap_that_forces_recomputation_raises_the_bound_by_it():
     assert lower_bounds_us(p, 4, 7000)["memory_cut"] == 0  # nothing has to go
 
 
+def test_on_one_stream_the_memory_cut_counts_a_narrow_recomputation_whole(monkeypatch):
+    """A recomputation on 30% of the SMs adds 0.3 us of SM work per us, but on one stream nothing runs beside it:
+    the cut's rows at rate 1 / streams count its whole time (without the chain-and-fillers rows, which also do)."""
+    monkeypatch.setattr("planner.bounds.CHAIN_FILL_CUTS", 0)
+    p = slow_copy_chain(6)
+    for t in p.tensors:
+        if t.can_recompute:
+            t.can_offload, t.recompute = False, replace(t.recompute, sm_demand=30)
+    one_stream = lower_bounds_us(p, 1, 3500)["memory_cut"]
+    assert lower_bounds_us(p, 4, 3500)["memory_cut"] < 48 + 1.5 < one_stream
+    result = solve_tiny(p, 3500, 1)
+    assert result.status == "OPTIMAL" and one_stream <= result.schedule.makespan(p)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_on_one_stream_the_memory_cut_is_at_most_the_optimum(seed):
+    rng = random.Random(seed)
+    p = random_chain(rng)
+    keep_all = list_schedule(p, float("inf"), 1, {}).schedule
+    cap = rng.randint(memory_lower_bound(p)[0] + 500, peak_memory(p, {}, timed(p, keep_all))[0])
+    result = solve_tiny(p, cap, 1)
+    assert result.status == "OPTIMAL"
+    assert lower_bounds_us(p, 1, cap)["memory_cut"] <= result.schedule.makespan(p) + 1e-6
+
+
 def test_the_minimum_cap_counts_what_a_cut_must_hold():
     """At f5 every path passes: a4 (read) and a5 (written) are there, the others may be away; the graph input
     the chain starts from, when it can be neither copied nor recomputed, must stay as well."""

@@ -1,0 +1,81 @@
+"""planner.serialize: a plan on several streams in serial form."""
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from planner.analytic import estimate_profile
+from planner.check import check_plan
+from planner.devices import load_device
+from planner.heuristic import fastest_alternatives
+from planner.onnx_import import import_onnx
+from planner.plan import Totals
+from planner.problem import build_problem
+from planner.schedule import peak_memory, timed
+from planner.serialize import serial_form
+from planner.solve import Options, solve_plan
+from planner.stats import serial_peak_bytes
+from planner.streams import build_plan
+from planner.training import build_training
+
+MODELS = Path(__file__).parent / "models"
+
+
+@pytest.fixture(scope="module")
+def capped():
+    """GoogLeNet training b8 at 60% of the room above its resident bytes: the heuristic's four-stream plan
+    offloads and recomputes."""
+    g = build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=8, dtype="fp16", training=True))
+    prof = estimate_profile(g, load_device("h100"))
+    resident = build_problem(g, prof).resident_bytes
+    cap = resident + int((serial_peak_bytes(g) - resident) * 0.6)
+    plan = solve_plan(g, prof, cap, Options(time_limit_s=0, streams=4, concat="copy"))
+    assert plan.compute_streams > 1 and plan.copies and any(o.recompute_of for o in plan.ops)
+    return g, prof, cap, plan, build_problem(g, prof, streams=1)
+
+
+def _compute_items(p, s):
+    return sorted([(s.start[i], s.end(p, i), "op", i) for i in range(len(p.ops))]
+                  + [(st, st + p.tensors[t].recompute.duration, "recompute", t) for t, st in s.recompute_start.items()])
+
+
+def test_the_serial_form_runs_the_plans_items_one_at_a_time_in_its_order(capped):
+    g, _, cap, plan, p1 = capped
+    s = serial_form(p1, plan, cap)
+    items = _compute_items(p1, s)
+    assert all(a[1] <= b[0] for a, b in zip(items, items[1:]))  # back to back, never side by side
+    names = [p1.ops[i].name if kind == "op" else f"recompute {p1.tensors[i].name}" for _, _, kind, i in items]
+    in_plan = sorted(plan.ops, key=lambda o: (o.start_us, o.end_us))
+    assert names == [o.node if o.recompute_of is None else f"recompute {o.recompute_of}" for o in in_plan]
+    assert ({p1.tensors[t].name: d for t, d in s.decision.items()}
+            == {r.tensor: r.decision for r in plan.tensors if r.decision != "keep"})
+    assert set(s.d2h_start) == set(s.h2d_start) == {t for t, d in s.decision.items() if d == "offload"}
+    assert peak_memory(p1, s.decision, timed(p1, s))[0] <= cap
+    totals = Totals(makespan_us=0.0, peak_bytes=0, mem_cap_bytes=cap, lower_bound_us=0.0, baseline_makespan_us=0.0,
+                    status="", gap=0.0, solve_time_s=0.0)
+    one = build_plan(g, p1, s, totals, 1)
+    assert one.compute_streams == 1 and check_plan(one).ok
+
+
+def test_each_op_takes_its_fastest_algorithm_unless_its_workspace_passes_the_cap(capped):
+    """With every op on its fastest algorithm the serial form fits; give one op a faster algorithm still whose
+    workspace is the whole cap and that op alone steps back, to its fastest leaner one."""
+    _, _, cap, plan, p1 = capped
+    fastest = fastest_alternatives(p1)
+    assert serial_form(p1, plan, cap).alt == fastest
+    p = copy.deepcopy(p1)
+    op = p.ops[0]
+    greedy = op.alternatives[fastest[0]]
+    op.alternatives.append(replace(greedy, name="greedy", time_us=greedy.time_us / 2,
+                                   duration=max(1, greedy.duration // 2), workspace_bytes=cap))
+    assert fastest_alternatives(p)[0] == len(op.alternatives) - 1
+    s = serial_form(p, plan, cap)
+    assert s.alt == fastest
+    assert peak_memory(p, s.decision, timed(p, s))[0] <= cap
+
+
+def test_no_serial_form_where_even_the_leanest_algorithms_pass_the_cap(capped):
+    _, _, _, plan, p1 = capped
+    assert serial_form(p1, plan, p1.resident_bytes) is None
