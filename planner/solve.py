@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Literal
 
+from planner import serialize
 from planner.files import PlannerError
 from planner.bounds import lower_bounds_us, memory_lower_bound
 from planner.fuse import concat_view_candidates, concat_view_nodes, with_concat_views
@@ -21,7 +22,6 @@ from planner.plan import Plan, Totals
 from planner.problem import Problem, build_problem
 from planner.profile import Profile
 from planner.schedule import Schedule, peak_memory, timed
-from planner.serialize import serial_form
 from planner.streams import build_plan
 
 EXIT_CAP_TOO_SMALL = 3
@@ -223,10 +223,8 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
 
     bounds = lower_bounds_us(p, options.streams, cap_bytes)  # under the user's cap, not the arena's target
     work.bounded += len(p.ops)
-    serial_form_bound_us = None  # under a binding cap the serial form of the plan is offered (`_offer_serial_form`)
-    if p1 is not p and base_peak > cap_bytes:
-        serial_form_bound_us = max(lower_bounds_us(p1, 1, cap_bytes).values())
-        work.bounded += len(p.ops)
+    offer_serial_form = p1 is not p and base_peak > cap_bytes  # the plan in serial form (`_offer_serial_form`)
+    work.bounded += len(p.ops) * offer_serial_form  # its one-stream bound, computed once there is a plan
     slack = fit_slack(p, options.streams, work)
     refined = options.time_limit_s > 0  # the search follows the heuristic (heuristic.recompute_over_offload)
     first_s = None
@@ -251,22 +249,23 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         return plan
 
     def final(target: int, hint: Schedule | None) -> Plan:
-        """CP-SAT from the hint for what is left of the time limit; without CP-SAT (time limit 0) the
-        heuristic's plan, built once."""
+        """CP-SAT from the hint for what is left of the time limit (its wall clock leaving the serial form's
+        bound time); without CP-SAT (time limit 0) the heuristic's plan, built once."""
         if options.time_limit_s <= 0 and hint is not None and (target, id(hint)) in built:
             return built[target, id(hint)]
         limit, charged = options.time_limit_s, charged_s(work)
         search_s = max(limit - charged, limit * MIN_SEARCH_SHARE)
         plan = _solve_under(graph, p, target, base_us, base_peak, bounds, replace(options, time_limit_s=search_s),
-                            on_progress, hint, fits, own_bound=target == cap_bytes, deadline=t0 + limit)
+                            on_progress, hint, fits, own_bound=target == cap_bytes,
+                            deadline=t0 + limit - offer_serial_form * len(p.ops) * BOUND_S_PER_OP)
         if limit > 0:
             plan.totals.status += (f"; the search had {search_s:.1f} s of the {limit:g} s limit, the heuristic's "
                                    f"work {charged:.1f} s")
         return plan
 
     def done(plan: Plan) -> Plan:
-        if serial_form_bound_us is not None:
-            plan = _offer_serial_form(plan, graph, p1, cap_bytes, serial_form_bound_us, fits)
+        if offer_serial_form:
+            plan = _offer_serial_form(plan, graph, p1, cap_bytes, fits)
         elif p1 is not p:
             plan = _offer_serial(plan, graph, p1, base, base_peak, cap_bytes, fits)
         plan.totals.first_plan_s = first_s if first_s is not None else time.monotonic() - t0
@@ -323,13 +322,12 @@ def _offer_serial(plan: Plan, graph: Graph, p1: Problem, serial: Schedule, seria
     return plan
 
 
-def _offer_serial_form(plan: Plan, graph: Graph, p1: Problem, cap_bytes: int, one_stream_bound_us: float,
-                       fits: Callable[[Plan], bool]) -> Plan:
+def _offer_serial_form(plan: Plan, graph: Graph, p1: Problem, cap_bytes: int, fits: Callable[[Plan], bool]) -> Plan:
     """`_serial_or` with the plan's serial form (planner.serialize) on the one-stream problem `p1`, where it fits
-    the cap; `one_stream_bound_us` bounds every one-stream plan under the cap."""
-    schedule = serial_form(p1, plan, cap_bytes)
+    the cap, and the bound on every one-stream plan under the cap."""
+    schedule = serialize.serial_form(p1, plan, cap_bytes)
     if schedule is not None and fits(serial_plan := _plan_of(graph, p1, schedule, cap_bytes, 1)):
-        return _serial_or(plan, serial_plan, one_stream_bound_us,
+        return _serial_or(plan, serial_plan, max(lower_bounds_us(p1, 1, cap_bytes).values()),
                           "the plan's serial form (one stream, its items in the order they start, each op on its "
                           "fastest algorithm that fits)")
     return plan
@@ -566,9 +564,9 @@ def _cap_too_small(p: Problem, cap_bytes: int, options: Options, status: str,
     from planner import cpsat
     from planner.refine import WALL_PER_DET
 
-    floor = memory_lower_bound(p)[0]
-    leanest, works = _leanest(p, options.streams, max(floor, cap_bytes))
-    wall_s = max(deadline - time.monotonic(), options.time_limit_s * MIN_SEARCH_SHARE)
+    floor, least_s = memory_lower_bound(p)[0], options.time_limit_s * MIN_SEARCH_SHARE
+    leanest, works = _leanest(p, options.streams, max(floor, cap_bytes), max(deadline, time.monotonic() + least_s))
+    wall_s = max(deadline - time.monotonic(), least_s)
     r = cpsat.solve(p, max(p.device.memory_bytes, cap_bytes * 4, works), options.streams, _loose_horizon(p),
                     min(options.time_limit_s, wall_s / WALL_PER_DET), options.workers, options.seed, hint=leanest,
                     minimize_memory=True, max_wall_s=wall_s)
@@ -584,13 +582,13 @@ def _cap_too_small(p: Problem, cap_bytes: int, options: Options, status: str,
     return CapTooSmall(f"{verdict} under the cap {fmt_bytes(cap_bytes)}; {what}", works, leanest)
 
 
-def _leanest(p: Problem, streams: int, failed_bytes: int) -> tuple[Schedule, int]:
-    """(schedule, its peak bytes): the leanest the heuristic finds, bisecting the cap (to LEANEST_TOLERANCE)
-    between `failed_bytes`, where it found none, and the serial schedule's peak. GoogLeNet training b32: 7 caps,
-    1-2 s each on the development machine."""
+def _leanest(p: Problem, streams: int, failed_bytes: int, until: float = math.inf) -> tuple[Schedule, int]:
+    """(schedule, its peak bytes): the leanest the heuristic finds, bisecting the cap (to LEANEST_TOLERANCE, or
+    until the wall clock reads `until`) between `failed_bytes`, where it found none, and the serial schedule's
+    peak. GoogLeNet training b32: 7 caps, 1-2 s each on the development machine."""
     best, _, peak = _baseline(p)
     slack, low = fit_slack(p, streams), failed_bytes
-    while peak - low > LEANEST_TOLERANCE * peak:
+    while peak - low > LEANEST_TOLERANCE * peak and time.monotonic() < until:
         mid = (low + peak) // 2
         found = best_heuristic(p, mid, streams, slack, QUICK_EVALS)
         if found is None:

@@ -177,6 +177,16 @@ def test_the_leanest_heuristic_schedule_peaks_where_it_says():
         assert peak <= peak_memory(p, serial.decision, timed(p, serial))[0]
 
 
+def test_the_leanest_search_stops_at_its_wall_clock():
+    """Past `until` no cap is tried: the serial schedule and its peak come back, where the search finds less."""
+    from planner.solve import _leanest
+    p = random_problem(random.Random(4), n_ops=8, n_alts=2, training=True)
+    serial = baseline(p)
+    serial_peak = peak_memory(p, serial.decision, timed(p, serial))[0]
+    schedule, peak = _leanest(p, 4, 0, until=0.0)
+    assert schedule.start == serial.start and peak == serial_peak > _leanest(p, 4, 0)[1]
+
+
 @pytest.fixture(scope="module")
 def googlenet_train_b1():
     return build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=1, dtype="fp16", training=True))
