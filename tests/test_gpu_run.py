@@ -85,27 +85,53 @@ def test_capped_training_plan_validates(tmp_path, recompute):
     assert any(c.what == "round_trip" for c in report.checks) == bool(plan.copies)
 
 
-def test_every_recomputation_and_offload_at_once_validates(tmp_path):
-    """Not what a solver would pick, but every path at once: each recomputable saved tensor recomputed
-    (convolutions from their saved input, BatchNormalization with its saved statistics, chains, fused bn_apply,
-    nested ones reading other recomputed tensors), every other choosable one offloaded; the list schedule of
-    these decisions, as a plan, validates on the GPU."""
+def _every_path_plan(graph, profile, device):
+    """Each recomputable saved tensor recomputed, every other choosable one offloaded: the list schedule of
+    these decisions on four streams, as a plan."""
     from planner.heuristic import list_schedule
-    from planner.plan import Totals
     from planner.problem import build_problem
     from planner.streams import build_plan
 
-    graph, profile, device = _profiled(tmp_path, True, batch=1024)  # every saved tensor of 1 MiB or more
     p = build_problem(graph, profile)
     decision = {t: "recompute" if u.can_recompute else "offload" for t, u in enumerate(p.tensors) if u.choosable}
     recomputed = {p.ops[p.tensors[t].producer].kind for t, d in decision.items() if d == "recompute"}
     assert "conv" in recomputed and "offload" in decision.values()
     outcome = list_schedule(p, device.memory_bytes, 4, decision)
-    totals = Totals(makespan_us=0.0, peak_bytes=0, mem_cap_bytes=device.memory_bytes, lower_bound_us=0.0,
-                    baseline_makespan_us=0.0, status="list", gap=0.0, solve_time_s=0.0)
-    plan = build_plan(graph, p, outcome.schedule, totals, 4)
+    plan = build_plan(graph, p, outcome.schedule, _totals(device.memory_bytes), 4)
     assert sum(op.recompute_of is not None for op in plan.ops) == list(decision.values()).count("recompute")
-    _run_and_check(graph, plan, device)
+    return plan
+
+
+def _totals(cap_bytes: int):
+    from planner.plan import Totals
+
+    return Totals(makespan_us=0.0, peak_bytes=0, mem_cap_bytes=cap_bytes, lower_bound_us=0.0,
+                  baseline_makespan_us=0.0, status="list", gap=0.0, solve_time_s=0.0)
+
+
+def test_every_recomputation_and_offload_at_once_validates(tmp_path):
+    """Not what a solver would pick, but every path at once: each recomputable saved tensor recomputed
+    (convolutions from their saved input, BatchNormalization with its saved statistics, chains, fused bn_apply,
+    nested ones reading other recomputed tensors), every other choosable one offloaded; the list schedule of
+    these decisions, as a plan, validates on the GPU."""
+    graph, profile, device = _profiled(tmp_path, True, batch=1024)  # every saved tensor of 1 MiB or more
+    _run_and_check(graph, _every_path_plan(graph, profile, device), device)
+
+
+def test_a_plan_in_serial_form_validates(tmp_path):
+    """That plan in serial form (planner.serialize, what solve offers under a binding cap): one compute stream,
+    the same copies and recomputations, each op on its fastest algorithm within the plan's peak; it validates."""
+    from planner.problem import build_problem
+    from planner.serialize import serial_form
+    from planner.streams import build_plan
+
+    graph, profile, device = _profiled(tmp_path, True, batch=1024)
+    plan = _every_path_plan(graph, profile, device)
+    p1 = build_problem(graph, profile, streams=1)
+    one = build_plan(graph, p1, serial_form(p1, plan, plan.totals.peak_bytes), _totals(device.memory_bytes), 1)
+    assert one.compute_streams == 1 and len(one.copies) == len(plan.copies)
+    assert one.totals.peak_bytes <= plan.totals.peak_bytes
+    _run_and_check(graph, one, device)
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
