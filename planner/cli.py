@@ -212,7 +212,8 @@ def solve(
     seed: int = typer.Option(0, "--seed", help="CP-SAT random seed"),
     dram: bool = typer.Option(False, "--dram", help="also keep the running ops' DRAM shares at most 1 (off by "
                                                    "default: measured slower on GoogLeNet, docs/BENCHMARKS.md)"),
-    sweep: bool = typer.Option(False, "--sweep", help="solve at 100/70/50/30% of the serial peak"),
+    sweep: bool = typer.Option(False, "--sweep", help="solve at 100/70/50/30% of the serial peak (100%: what "
+                               "the serial plan takes on the device)"),
     baseline: bool = typer.Option(False, "--baseline", help="write the framework-style plan instead (serial, "
                                                             "fastest algorithm per op, nothing offloaded)"),
     concat: Concat = typer.Option(Concat.auto, "--concat", help="concats whose producers could write into their "
@@ -223,14 +224,15 @@ def solve(
 ):
     """Choose algorithms, streams, offloads and recomputations under a memory cap with CP-SAT."""
     from planner.memsize import parse_sizes
-    from planner.solve import Options, solve_plan
+    from planner.solve import Options, serial_device_bytes, solve_plan
     from planner.stats import serial_peak_bytes
 
     graph = load_graph(model, batch, dtype, train)
     prof = _profile_for(graph, profile_path, analytic)
     device_bytes = prof.device.memory_bytes
-    if sweep:
-        caps = [int(serial_peak_bytes(graph) * f) for f in (1.0, 0.7, 0.5, 0.3)]
+    if sweep:  # 100%: what the serial plan takes on the device, its peak laid out in the driver's pages
+        peak = serial_peak_bytes(graph)
+        caps = [max(peak, serial_device_bytes(graph, prof)), *(int(peak * f) for f in (0.7, 0.5, 0.3))]
     else:
         caps = parse_sizes(mem, device_bytes) if mem else [device_bytes]
     options = Options(streams=streams, time_limit_s=time_limit, workers=workers, seed=seed, baseline=baseline,

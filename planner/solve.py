@@ -57,6 +57,12 @@ def device_bytes(graph: Graph, plan: Plan) -> int:
     return arena_device_bytes(graph, plan)
 
 
+def serial_device_bytes(graph: Graph, profile: Profile) -> int:
+    """What the runner allocates for the framework-style serial plan: its peak laid out in the driver's pages,
+    the least cap it runs under (ResNet-50 inference b32: 160.00 MiB at a 158.95-MiB peak)."""
+    return device_bytes(graph, solve_plan(graph, profile, profile.device.memory_bytes, Options(baseline=True)))
+
+
 def fits_device(graph: Graph, plan: Plan, cap_bytes: int) -> bool:
     """device_bytes(graph, plan) <= cap_bytes, sooner."""
     from runner.arena import fits_device as arena_fits_device

@@ -269,6 +269,21 @@ def test_cap_below_any_schedule_exits_3_with_the_minimum(tmp_path):
     assert "minimum cap" in str(result.exception) and not (tmp_path / "p.json").exists()
 
 
+def test_the_sweeps_first_cap_is_what_the_serial_plan_takes_on_the_device(tmp_path):
+    """`--sweep` solves at 100/70/50/30% of the serial peak; at 100% the serial plan runs, its peak laid out in the
+    driver's pages (above the peak itself), so that cap always has a plan."""
+    from planner.solve import serial_device_bytes
+    from planner.stats import serial_peak_bytes
+
+    g = import_onnx(MODELS / "googlenet.onnx", batch=1, dtype="fp16")
+    full = serial_device_bytes(g, estimate_profile(g, H100))
+    assert full > serial_peak_bytes(g)
+    result = CliRunner().invoke(app, ["solve", str(MODELS / "googlenet.onnx"), "--dtype", "fp16", "--analytic",
+                                      "h100", "--sweep", "--time-limit", "0", "-o", str(tmp_path / "p.json")])
+    assert (tmp_path / f"p.{full >> 20}MiB.json").exists(), result.output
+    assert "time against memory" in result.output
+
+
 def test_check_catches_a_broken_plan(googlenet_train_b1, tmp_path):
     g = import_onnx(MODELS / "googlenet.onnx", batch=1, dtype="fp16")
     plan = solve_plan(g, estimate_profile(g, H100), H100.memory_bytes, Options(time_limit_s=2, workers=2))
