@@ -31,8 +31,8 @@ def plan_alternatives(p: Problem, plan: Plan) -> list[int]:
 
 def serialized(p: Problem, plan: Plan, alt: list[int], wait_out: bool = True) -> Schedule:
     """The plan's compute items in the order they start, back to back on one stream, each op on `alt`. Each
-    engine copies in the plan's order: a copy out once its tensor is written, a copy back before the first item
-    that starts after it in the plan. An item waits for the copies back it reads and, with `wait_out`, for
+    engine copies in the plan's order: a copy out once its tensor is written, a copy back after it and before the
+    first item that starts after it in the plan. An item waits for the copies back it reads and, with `wait_out`, for
     the copies out that ended before it started in the plan (which keeps its memory within the plan's)."""
     ops, tensors = p.op_index, {t.name: i for i, t in enumerate(p.tensors)}
     s = Schedule(alt=list(alt), start=[0] * len(p.ops), status="serial form")
@@ -46,7 +46,7 @@ def serialized(p: Problem, plan: Plan, alt: list[int], wait_out: bool = True) ->
     for item in by_start(plan.ops):
         while k < len(copies_back) and copies_back[k][1] <= item.start_us:
             t = copies_back[k][0]
-            s.h2d_start[t] = max(back_free, now)
+            s.h2d_start[t] = max(back_free, now, s.d2h_start[t] + p.tensors[t].d2h_ticks)
             back_free = s.h2d_start[t] + p.tensors[t].h2d_ticks
             k += 1
         if item.recompute_of is None:

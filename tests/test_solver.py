@@ -284,6 +284,14 @@ def test_the_sweeps_first_cap_is_what_the_serial_plan_takes_on_the_device(tmp_pa
     assert "time against memory" in result.output
 
 
+@pytest.mark.parametrize("path", sorted((MODELS.parent.parent / "plans").glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_plan_passes_check(path):
+    from planner.plan import Plan
+
+    report = check_plan(load_model(Plan, path))
+    assert report.ok, report.violations
+
+
 def test_check_catches_a_broken_plan(googlenet_train_b1, tmp_path):
     g = import_onnx(MODELS / "googlenet.onnx", batch=1, dtype="fp16")
     plan = solve_plan(g, estimate_profile(g, H100), H100.memory_bytes, Options(time_limit_s=2, workers=2))
