@@ -1,15 +1,17 @@
 """planner.serialize: a plan on several streams in serial form."""
 
 import copy
+import random
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from planner.analytic import estimate_profile
+from planner.bounds import memory_lower_bound
 from planner.check import check_plan
 from planner.devices import load_device
-from planner.heuristic import fastest_alternatives
+from planner.heuristic import baseline, fastest_alternatives, fit_cap
 from planner.onnx_import import import_onnx
 from planner.plan import Totals
 from planner.problem import build_problem
@@ -19,6 +21,7 @@ from planner.solve import Options, solve_plan
 from planner.stats import serial_peak_bytes
 from planner.streams import build_plan
 from planner.training import build_training
+from test_solver import EMPTY, random_problem
 
 MODELS = Path(__file__).parent / "models"
 
@@ -54,9 +57,7 @@ def test_the_serial_form_runs_the_plans_items_one_at_a_time_in_its_order(capped)
     assert set(s.d2h_start) == set(s.h2d_start) == {t for t, d in s.decision.items() if d == "offload"}
     assert all(s.h2d_start[t] >= s.d2h_start[t] + p1.tensors[t].d2h_ticks for t in s.h2d_start)
     assert peak_memory(p1, s.decision, timed(p1, s))[0] <= cap
-    totals = Totals(makespan_us=0.0, peak_bytes=0, mem_cap_bytes=cap, lower_bound_us=0.0, baseline_makespan_us=0.0,
-                    status="", gap=0.0, solve_time_s=0.0)
-    one = build_plan(g, p1, s, totals, 1)
+    one = build_plan(g, p1, s, _totals(cap), 1)
     assert one.compute_streams == 1 and check_plan(one).ok
 
 
@@ -80,3 +81,35 @@ def test_each_op_takes_its_fastest_algorithm_unless_its_workspace_passes_the_cap
 def test_no_serial_form_where_even_the_leanest_algorithms_pass_the_cap(capped):
     _, _, _, plan, p1 = capped
     assert serial_form(p1, plan, p1.resident_bytes) is None
+
+
+def test_the_serial_form_of_random_capped_plans_passes_check():
+    """Random training DAGs with copies of random length, plans of the heuristic under a cap between the least
+    any schedule needs and the serial peak: the serial form fits the same cap and every rule of `planner check`
+    holds (copies back after copies out, residency, memory), on plans with copies among them."""
+    checked = with_copies = 0
+    for seed in range(300):
+        rng = random.Random(seed)
+        p = random_problem(rng, n_ops=rng.randint(6, 12), n_alts=3, training=True)
+        for t in p.tensors:
+            if t.can_offload:
+                t.d2h_ticks = t.h2d_ticks = rng.randint(1, 12)
+                t.d2h_us = t.h2d_us = float(t.d2h_ticks)
+        low, high = memory_lower_bound(p)[0], peak_memory(p, {}, timed(p, baseline(p)))[0]
+        cap = rng.randint(low, high)
+        outcome = fit_cap(p, cap, 3)
+        if outcome is None or not outcome.fits:
+            continue
+        plan = build_plan(EMPTY, p, outcome.schedule, _totals(cap), 3)
+        s = serial_form(p, plan, cap)
+        assert s is not None, seed
+        one = build_plan(EMPTY, p, s, _totals(cap), 1)
+        report = check_plan(one)
+        assert one.compute_streams == 1 and report.ok, (seed, report.violations)
+        checked, with_copies = checked + 1, with_copies + bool(plan.copies)
+    assert checked >= 60 and with_copies >= 5, (checked, with_copies)  # 66 and 6 of the 300
+
+
+def _totals(cap_bytes: int) -> Totals:
+    return Totals(makespan_us=0.0, peak_bytes=0, mem_cap_bytes=cap_bytes, lower_bound_us=0.0, baseline_makespan_us=0.0,
+                  status="", gap=0.0, solve_time_s=0.0)
