@@ -158,7 +158,7 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
     plan.totals.status += f"; {len(views)} concats as views{why}"
     if options.streams > 1:  # the framework's serial plan copies its concats
         plan = _offer_serial(plan, graph, one_stream, serial, serial_peak, cap_bytes,
-                             lambda serial_plan: fits_device(graph, serial_plan, cap_bytes))
+                             lambda serial_plan: fits_device(graph, serial_plan, cap_bytes)) or plan
     return _framework_baseline(plan, (serial_us, serial_peak))
 
 
@@ -229,8 +229,9 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
 
     bounds = lower_bounds_us(p, options.streams, cap_bytes)  # under the user's cap, not the arena's target
     work.bounded += len(p.ops)
-    offer_serial_form = p1 is not p and base_peak > cap_bytes  # the plan in serial form (`_offer_serial_form`)
-    work.bounded += len(p.ops) * offer_serial_form  # its one-stream bound, computed once there is a plan
+    # under a binding cap `done` offers the plan in serial form, whose one-stream bound is charged now
+    offer_serial_form = p1 is not p and base_peak > cap_bytes
+    work.bounded += len(p.ops) * offer_serial_form
     slack = fit_slack(p, options.streams, work)
     refined = options.time_limit_s > 0  # the search follows the heuristic (heuristic.recompute_over_offload)
     first_s = None
@@ -270,10 +271,9 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         return plan
 
     def done(plan: Plan) -> Plan:
-        if offer_serial_form:
-            plan = _offer_serial_form(plan, graph, p1, cap_bytes, fits)
-        elif p1 is not p:
-            plan = _offer_serial(plan, graph, p1, base, base_peak, cap_bytes, fits)
+        if p1 is not p:
+            plan = (_offer_serial(plan, graph, p1, base, base_peak, cap_bytes, fits)
+                    or _offer_serial_form(plan, graph, p1, cap_bytes, fits))
         plan.totals.first_plan_s = first_s if first_s is not None else time.monotonic() - t0
         return plan
 
@@ -321,11 +321,12 @@ def _with_arena(e: CapTooSmall, graph: Graph, p: Problem, streams: int) -> CapTo
 
 
 def _offer_serial(plan: Plan, graph: Graph, p1: Problem, serial: Schedule, serial_peak: int, cap_bytes: int,
-                  fits: Callable[[Plan], bool]) -> Plan:
-    """`_serial_or` with the serial schedule of the one-stream problem `p1`, where its peak and arena fit the cap."""
+                  fits: Callable[[Plan], bool]) -> Plan | None:
+    """`_serial_or` with the serial schedule of the one-stream problem `p1`; None where its peak or its arena
+    passes the cap."""
     if serial_peak <= cap_bytes and fits(serial_plan := _plan_of(graph, p1, serial, cap_bytes, 1)):
         return _serial_or(plan, serial_plan, serial_plan.totals.makespan_us, "serial (one stream, every tensor kept)")
-    return plan
+    return None
 
 
 def _offer_serial_form(plan: Plan, graph: Graph, p1: Problem, cap_bytes: int, fits: Callable[[Plan], bool]) -> Plan:
