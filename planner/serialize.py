@@ -42,7 +42,7 @@ def serialized(p: Problem, plan: Plan, alt: list[int], wait_out: bool = True) ->
     copies_back = [(tensors[c.tensor], c.start_us) for c in by_start(plan.copies) if c.direction == "h2d"]
     copies_out = [tensors[c.tensor] for c in by_start(plan.copies) if c.direction == "d2h"]
     out_ends = sorted((c.end_us, tensors[c.tensor]) for c in plan.copies if c.direction == "d2h")
-    now = back_free = out_free = k = 0
+    now = back_free = out_free = k = j = 0
     ended: dict[int, int] = {}
     for item in by_start(plan.ops):
         while k < len(copies_back) and copies_back[k][1] <= item.start_us:
@@ -56,9 +56,10 @@ def serialized(p: Problem, plan: Plan, alt: list[int], wait_out: bool = True) ->
         else:
             i = tensors[item.recompute_of]
             late = p.tensors[i].recompute_reads
-        out_done = [t for end_us, t in out_ends if wait_out and end_us <= item.start_us]
-        now = max([now, *(s.h2d_start[t] + p.tensors[t].h2d_ticks for t in late if t in s.h2d_start),
-                   *(s.d2h_start[t] + p.tensors[t].d2h_ticks for t in out_done)])
+        now = max([now, *(s.h2d_start[t] + p.tensors[t].h2d_ticks for t in late if t in s.h2d_start)])
+        while wait_out and j < len(out_ends) and out_ends[j][0] <= item.start_us:  # freed before it in the plan
+            t = out_ends[j][1]
+            now, j = max(now, s.d2h_start[t] + p.tensors[t].d2h_ticks), j + 1
         if item.recompute_of is None:
             s.start[i], now = now, now + p.ops[i].alternatives[alt[i]].duration
             ended[i] = now
@@ -103,4 +104,3 @@ def serial_form(p: Problem, plan: Plan, cap_bytes: int) -> Schedule | None:
             i = max(grown, key=lambda i: workspace(i, alt[i]) - workspace(i, own[i]))
             alt[i] = own[i]
     return None
-

@@ -357,7 +357,8 @@ def _serial_or(plan: Plan, serial: Plan, one_stream_bound_us: float, what: str) 
         plan = serial.model_copy(update={"totals": serial.totals.model_copy(update={
             **kept, "status": f"{why}; {plan.totals.status}"})})
     totals = plan.totals
-    one_stream_us = min(totals.bounds_us.get("one_stream", math.inf), one_stream_bound_us)  # views', copies'
+    # where the viewed and the copied graph both offered a serial plan, the lesser of their bounds
+    one_stream_us = min(totals.bounds_us.get("one_stream", math.inf), one_stream_bound_us)
     totals.bounds_us = {**totals.bounds_us, "one_stream": one_stream_us}
     totals.lower_bound_us = min(several_us, one_stream_us)
     totals.gap = totals.gap_to_bound()
