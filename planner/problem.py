@@ -225,7 +225,8 @@ def _tensor_uses(graph: Graph, index: dict[str, int]) -> list[TensorUse]:
 def _mark_choices(problem: Problem, graph: Graph, offload: bool, recompute: bool,
                   fused: dict[tuple[str, ...], Alternative]) -> None:
     """Which tensors may be offloaded or recomputed: made in the forward pass (or graph inputs), saved for
-    backward, big enough."""
+    backward, big enough. A graph input's batch comes from the host, which keeps it: offloading an input drops it
+    and copies it back, and its copy out takes no time (the runner stages the host copy with the batch)."""
     if not problem.training:
         return
     dev = problem.device
@@ -240,7 +241,7 @@ def _mark_choices(problem: Problem, graph: Graph, offload: bool, recompute: bool
         t.early = [c for c in t.early if c not in late]
         t.late = late
         t.can_offload = offload
-        t.d2h_us = dev.copy_us("d2h", t.bytes) if offload else 0.0
+        t.d2h_us = dev.copy_us("d2h", t.bytes) if offload and t.writers else 0.0
         t.h2d_us = dev.copy_us("h2d", t.bytes) if offload else 0.0
         t.d2h_ticks, t.h2d_ticks = problem.ticks(t.d2h_us), problem.ticks(t.h2d_us)
         if recompute and t.producer is not None:

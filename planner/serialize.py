@@ -44,6 +44,15 @@ def serialized(p: Problem, plan: Plan, alt: list[int], wait_out: bool = True) ->
     out_ends = sorted((c.end_us, tensors[c.tensor]) for c in plan.copies if c.direction == "d2h")
     now = back_free = out_free = k = j = 0
     ended: dict[int, int] = {}
+
+    def copy_out_written() -> None:
+        nonlocal out_free
+        while copies_out and all(w in ended for w in p.tensors[copies_out[0]].writers):
+            t = copies_out.pop(0)
+            s.d2h_start[t] = max([out_free, *(ended[w] for w in p.tensors[t].writers)])
+            out_free = s.d2h_start[t] + p.tensors[t].d2h_ticks
+
+    copy_out_written()  # a graph input's, which nothing writes
     for item in by_start(plan.ops):
         while k < len(copies_back) and copies_back[k][1] <= item.start_us:
             t = copies_back[k][0]
@@ -65,10 +74,7 @@ def serialized(p: Problem, plan: Plan, alt: list[int], wait_out: bool = True) ->
             ended[i] = now
         else:
             s.recompute_start[i], now = now, now + p.tensors[i].recompute.duration
-        while copies_out and all(w in ended for w in p.tensors[copies_out[0]].writers):
-            t = copies_out.pop(0)
-            s.d2h_start[t] = max([out_free, *(ended[w] for w in p.tensors[t].writers)])
-            out_free = s.d2h_start[t] + p.tensors[t].d2h_ticks
+        copy_out_written()
     return s
 
 

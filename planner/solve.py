@@ -71,14 +71,16 @@ def fits_device(graph: Graph, plan: Plan, cap_bytes: int) -> bool:
 
 
 class CapTooSmall(PlannerError):
-    """No schedule fits the cap; `minimum_bytes` is the smallest cap that does (or a proven lower bound)."""
+    """No schedule fits the cap; `minimum_bytes` is the smallest cap that does (or a proven lower bound), and no
+    schedule needs less than `floor_bytes`."""
 
     exit_code = EXIT_CAP_TOO_SMALL
 
-    def __init__(self, message: str, minimum_bytes: int, schedule: Schedule | None = None):
+    def __init__(self, message: str, minimum_bytes: int, schedule: Schedule | None = None, floor_bytes: int = 0):
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
         self.schedule = schedule  # one that peaks at minimum_bytes, where one was found
+        self.floor_bytes = floor_bytes
 
 
 @dataclass
@@ -143,15 +145,20 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
     def on_model(plan: Plan) -> Plan:  # the viewed graph's plan, for the model as given (its concats as views)
         return plan.model_copy(update={"graph_sha256": graph.graph_sha256, "concat_views": views})
 
+    charged_before = charged_s(work)
     try:
         plan = solve(viewed_graph, viewed_profile, (lambda first: on_plan(on_model(first))) if on_plan else None)
     except CapTooSmall as as_views:
         if options.concat == "view":
             raise
+        setup_s = charged_s(work) - charged_before  # the copied way's work before its search is about as much
+        left_s = t0 + options.time_limit_s - time.monotonic()
+        if options.time_limit_s > 0 and left_s < setup_s + options.time_limit_s * MIN_SEARCH_SHARE:
+            raise _copied_unsearched(as_views, _problem(graph, profile, options, work)) from None
         try:
             plan = solve(graph, profile)
-        except CapTooSmall as copied:  # the lesser cap that works: solving at it takes the views first
-            raise min(as_views, copied, key=lambda e: e.minimum_bytes) from None
+        except CapTooSmall as copied:
+            raise _either(as_views, copied) from None
         plan.totals.status += f"; {len(views)} concats copied (as views no plan fits){why}"
         return plan
     plan = on_model(plan)
@@ -160,6 +167,29 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
         plan = _offer_serial(plan, graph, one_stream, serial, serial_peak, cap_bytes,
                              lambda serial_plan: fits_device(graph, serial_plan, cap_bytes)) or plan
     return _framework_baseline(plan, (serial_us, serial_peak))
+
+
+def _either(as_views: CapTooSmall, copied: CapTooSmall) -> CapTooSmall:
+    """The lesser cap shown to work of the two ways (solving at it takes the views first), or the lesser floor
+    where neither found one, saying where the other way's floor is lower still."""
+    found = [e for e in (as_views, copied) if e.schedule is not None] or [as_views, copied]
+    best = min(found, key=lambda e: e.minimum_bytes)
+    other = copied if best is as_views else as_views
+    if not 0 < other.floor_bytes < best.floor_bytes:
+        return best
+    way = "copied" if other is copied else "as views"
+    return CapTooSmall(f"{best}; with the concats {way} none below {fmt_bytes(other.floor_bytes)} can", best.minimum_bytes,
+                       best.schedule, other.floor_bytes)
+
+
+def _copied_unsearched(as_views: CapTooSmall, copied: Problem) -> CapTooSmall:
+    """The views' answer where the time limit leaves the copied way no search, with what its floor allows."""
+    floor = memory_lower_bound(copied)[0]
+    if floor >= as_views.minimum_bytes:  # copied, no schedule needs less than the views' answer
+        return as_views
+    lower = f" (none of theirs needs less than {fmt_bytes(floor)})" if floor < as_views.floor_bytes else ""
+    return CapTooSmall(f"{as_views}; the concats copied were not searched in the time limit{lower}",
+                       as_views.minimum_bytes, as_views.schedule, min(floor, as_views.floor_bytes))
 
 
 def _list_schedule_us(graph: Graph, profile: Profile, options: Options, work: Work) -> float:
@@ -210,7 +240,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         raise CapTooSmall(f"the cap {fmt_bytes(cap_bytes)} is below the {fmt_bytes(need)} any schedule needs "
                           f"(resident {fmt_bytes(p.resident_bytes)}, plus what op {op} reads, writes, its "
                           f"leanest workspace and, if every path passes through it, the tensors that must stay "
-                          f"while it runs); minimum cap: {need} bytes", need)
+                          f"while it runs); minimum cap: {need} bytes", need, floor_bytes=need)
     if options.baseline:
         if base_peak > cap_bytes:
             raise CapTooSmall(f"the serial baseline needs {fmt_bytes(base_peak)}, over the cap "
@@ -317,7 +347,7 @@ def _with_arena(e: CapTooSmall, graph: Graph, p: Problem, streams: int) -> CapTo
     if need <= e.minimum_bytes:
         return e
     return CapTooSmall(f"{e}; that schedule's arena needs {need} bytes ({fmt_bytes(need)}) on the device", need,
-                       e.schedule)
+                       e.schedule, e.floor_bytes)
 
 
 def _offer_serial(plan: Plan, graph: Graph, p1: Problem, serial: Schedule, serial_peak: int, cap_bytes: int,
@@ -436,7 +466,7 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base_us: float, base_
             need = memory_lower_bound(p)[0]
             raise CapTooSmall(f"the heuristic found no schedule under the cap {fmt_bytes(cap_bytes)}; give CP-SAT "
                               f"a time limit to search further or compute the minimum (no schedule needs less "
-                              f"than {fmt_bytes(need)})", need)
+                              f"than {fmt_bytes(need)})", need, floor_bytes=need)
         found = [(hint, "heuristic (CP-SAT not run: time limit 0)", False)]
     else:
         fits_schedule = lambda s: fits(_plan_of(graph, p, s, cap_bytes, options.streams))  # noqa: E731
@@ -579,7 +609,8 @@ def _cap_too_small(p: Problem, cap_bytes: int, options: Options, status: str,
                     min(options.time_limit_s, wall_s / WALL_PER_DET), options.workers, options.seed, hint=leanest,
                     minimize_memory=True, max_wall_s=wall_s)
     if r.status == "OPTIMAL":
-        works, leanest = r.peak_bytes, r.schedule
+        works = floor = r.peak_bytes
+        leanest = r.schedule
         what = f"minimum cap: {works} bytes ({fmt_bytes(works)})"
     else:
         if r.status == "FEASIBLE" and r.peak_bytes < works:
@@ -587,7 +618,7 @@ def _cap_too_small(p: Problem, cap_bytes: int, options: Options, status: str,
         floor = max(floor, r.bound_ticks if r.status == "FEASIBLE" else 0)
         what = f"a cap of {works} bytes ({fmt_bytes(works)}) works; none below {fmt_bytes(floor)} can"
     verdict = "no schedule fits" if status == "INFEASIBLE" else f"no schedule found in the time limit ({status})"
-    return CapTooSmall(f"{verdict} under the cap {fmt_bytes(cap_bytes)}; {what}", works, leanest)
+    return CapTooSmall(f"{verdict} under the cap {fmt_bytes(cap_bytes)}; {what}", works, leanest, floor)
 
 
 def _leanest(p: Problem, streams: int, failed_bytes: int, until: float = math.inf) -> tuple[Schedule, int]:

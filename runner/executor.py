@@ -99,8 +99,20 @@ class Execution:
         self.data_bytes = self.free_before - cp.cuda.runtime.memGetInfo()[0]
         self.load_parameters(parameters)
         self.host = {c.tensor: cp.cuda.alloc_pinned_memory(c.bytes) for c in self.plan.copies if c.direction == "d2h"}
-        self.copied = {"d2h": sum(c.bytes for c in plan.copies if c.direction == "d2h"),
+        self.copied = {"d2h": sum(c.bytes for c in plan.copies if c.direction == "d2h" and c.tensor not in self.staging),
                        "h2d": sum(c.bytes for c in plan.copies if c.direction == "h2d")}
+
+    def stage(self, inputs: dict[str, np.ndarray]) -> None:
+        """The graph inputs' values, converted at each iteration's start; for an input the plan offloads, also its
+        pinned host copy in the device layout, which the batch's host copy is: its copy out then copies nothing."""
+        cp = gpu().cp
+        for name, staged in self.staging.items():
+            staged[...] = cp.asarray(inputs[name])
+            if name in self.host:
+                t = self.graph.tensors[name]
+                device = cp.empty(t.bytes, cp.uint8)
+                strided_view(device.data, t.shape, t.dtype)[...] = staged
+                cp.cuda.runtime.memcpy(self.host[name].ptr, device.data.ptr, t.bytes, D2H)
 
     def load_parameters(self, parameters: dict[str, np.ndarray]) -> None:
         """Weights and state from host values; everything persistent without a value (gradients) to zero."""
@@ -187,6 +199,8 @@ class Execution:
 
     def launch_copy(self, j: int, copy: Copy) -> None:
         cp = gpu().cp
+        if copy.direction == "d2h" and copy.tensor in self.staging:
+            return  # a graph input's host copy is staged (`stage`)
         device = self.array(("copy", j), copy.tensor)
         host = self.host[copy.tensor]
         dst, src, kind = (host.ptr, device.data.ptr, D2H) if copy.direction == "d2h" else (device.data.ptr, host.ptr, H2D)

@@ -93,10 +93,8 @@ def prepare(graph: Graph, plan: Plan, host: dict[str, np.ndarray], params: dict[
     """A plan ready to launch: built on `params`, inputs staged from `host`, one eager iteration first (kernels
     compile and modules load outside any capture), weights reset, then captured as one CUDA graph unless eager.
     Shared by `planner run` and `planner bench`, so both time the same launches."""
-    cp = gpu().cp
     exe = Execution(graph, plan, params)
-    for name, staged in exe.staging.items():
-        staged[...] = cp.asarray(host[name])
+    exe.stage(host)
     origin = exe.streams[0]
     exe.issue()
     origin.synchronize()

@@ -14,7 +14,7 @@ from planner.devices import load_device
 from planner.heuristic import baseline, fastest_alternatives, fit_cap
 from planner.onnx_import import import_onnx
 from planner.plan import Totals
-from planner.problem import build_problem
+from planner.problem import TensorUse, build_problem
 from planner.schedule import peak_memory, timed
 from planner.serialize import serial_form
 from planner.solve import Options, solve_plan
@@ -86,8 +86,8 @@ def test_no_serial_form_where_even_the_leanest_algorithms_pass_the_cap(capped):
 def test_the_serial_form_of_random_capped_plans_passes_check():
     """Random training DAGs with copies of random length, plans of the heuristic under a cap between the least
     any schedule needs and the serial peak: the serial form fits the same cap and every rule of `planner check`
-    holds (copies back after copies out, residency, memory), on plans with copies among them."""
-    checked = with_copies = 0
+    holds (copies back after copies out, residency, memory), on plans with copies among them, graph inputs' too."""
+    checked = with_copies = inputs = 0
     for seed in range(300):
         rng = random.Random(seed)
         p = random_problem(rng, n_ops=rng.randint(6, 12), n_alts=3, training=True)
@@ -95,6 +95,12 @@ def test_the_serial_form_of_random_capped_plans_passes_check():
             if t.can_offload:
                 t.d2h_ticks = t.h2d_ticks = rng.randint(1, 12)
                 t.d2h_us = t.h2d_us = float(t.d2h_ticks)
+        if rng.random() < 0.5:  # a graph input read first and again backward: its copy out takes no time
+            back, h2d = rng.randrange(len(p.ops) // 2, len(p.ops)), rng.randint(1, 12)
+            p.tensors.append(TensorUse("input", rng.randint(100, 1000), None, [0], [back], False, can_offload=True,
+                                       d2h_ticks=1, h2d_ticks=h2d, h2d_us=float(h2d)))
+            p.ops[0].reads.append(len(p.tensors) - 1)
+            p.ops[back].reads.append(len(p.tensors) - 1)
         low, high = memory_lower_bound(p)[0], peak_memory(p, {}, timed(p, baseline(p)))[0]
         cap = rng.randint(low, high)
         outcome = fit_cap(p, cap, 3)
@@ -107,7 +113,8 @@ def test_the_serial_form_of_random_capped_plans_passes_check():
         report = check_plan(one)
         assert one.compute_streams == 1 and report.ok, (seed, report.violations)
         checked, with_copies = checked + 1, with_copies + bool(plan.copies)
-    assert checked >= 60 and with_copies >= 5, (checked, with_copies)  # 66 and 6 of the 300
+        inputs += any(c.tensor == "input" for c in plan.copies)
+    assert checked >= 60 and with_copies >= 5 and inputs >= 3, (checked, with_copies, inputs)
 
 
 def _totals(cap_bytes: int) -> Totals:

@@ -21,6 +21,7 @@ from planner.cli import app
 from planner.devices import load_device
 from planner.files import PlannerError, load_model
 from planner.ir import Graph
+from planner.bounds import memory_lower_bound
 from planner.memsize import parse_size, parse_sizes
 from planner.onnx_import import import_onnx
 from planner.heuristic import Work, baseline, fit_cap, list_schedule, recompute_over_offload
@@ -192,6 +193,22 @@ def googlenet_train_b1():
     return build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=1, dtype="fp16", training=True))
 
 
+def test_offloading_a_graph_input_copies_it_back_only():
+    """The batch comes from the host, which keeps it: dropping the input and copying it back is its offload, and
+    its copy out takes no time, where a saved activation's takes as long as its copy back."""
+    g = build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=8, dtype="fp16", training=True))
+    prof = estimate_profile(g, load_device("h100"))
+    p = build_problem(g, prof)
+    (batch,) = [t for t in p.tensors if t.name in g.inputs and t.can_offload]
+    assert batch.d2h_us == 0 and batch.d2h_ticks == 1 < batch.h2d_ticks  # one tick: the least an item lasts
+    saved = [t for t in p.tensors if t.can_offload and t.writers]
+    assert saved and all(t.d2h_ticks == t.h2d_ticks > 1 for t in saved)
+    resident = p.resident_bytes
+    plan = solve_plan(g, prof, resident + int((serial_peak_bytes(g) - resident) * 0.4), Options(time_limit_s=0))
+    (out,) = [c for c in plan.copies if c.tensor == batch.name and c.direction == "d2h"]
+    assert out.end_us == out.start_us and check_plan(plan).ok
+
+
 def test_the_minimum_cap_covers_the_runners_arena(googlenet_train_b1):
     from planner.solve import _plan_of, _with_arena
     g = googlenet_train_b1
@@ -260,6 +277,36 @@ assert plan.totals.offloaded_bytes + plan.totals.recomputed_bytes > 0 and check_
 assert not any(m.startswith("ortools") for m in sys.modules), "OR-Tools imported"
 """
     subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parent.parent)
+
+
+def test_of_two_ways_exit_3_takes_the_lesser_cap_shown_to_work_and_the_lesser_floor():
+    """Concats as views and copied: a cap a schedule was found at beats a mere floor, even a lower one, and where
+    the other way's floor is lower the answer says so."""
+    from planner.solve import _either
+    serial = baseline(random_problem(random.Random(0), n_ops=4, n_alts=1))
+    views_floor = CapTooSmall("below the floor", 900, None, 900)
+    copied_found = CapTooSmall("works at 2000", 2000, serial, 800)
+    assert _either(views_floor, copied_found) is copied_found  # its floor is the lower: nothing to add
+    views_found = CapTooSmall("works at 1500", 1500, serial, 1000)
+    either = _either(views_found, copied_found)
+    assert (either.minimum_bytes, either.schedule, either.floor_bytes) == (1500, serial, 800)
+    assert str(either).startswith("works at 1500") and "with the concats copied none below" in str(either)
+    assert _either(views_floor, CapTooSmall("below its floor", 950, None, 950)) is views_floor
+
+
+def test_exit_3_says_where_the_copied_way_was_not_searched(googlenet_train_b1):
+    """Past the time limit the copied way is not searched: the views' answer stands where the copied floor
+    is no lower than the cap it found, and says what the copied floor allows where it is."""
+    from planner.solve import _copied_unsearched
+    copied = build_problem(googlenet_train_b1, estimate_profile(googlenet_train_b1, H100))
+    floor = memory_lower_bound(copied)[0]
+    serial = baseline(copied)
+    stands = CapTooSmall("works at the floor", floor, serial, floor)
+    assert _copied_unsearched(stands, copied) is stands
+    above = CapTooSmall("works above", floor + 100, serial, floor + 50)
+    unsearched = _copied_unsearched(above, copied)
+    assert (unsearched.minimum_bytes, unsearched.floor_bytes) == (floor + 100, floor)
+    assert "not searched in the time limit (none of theirs needs less than" in str(unsearched)
 
 
 def test_cap_below_any_schedule_exits_3_with_the_minimum(tmp_path):
