@@ -47,6 +47,7 @@ SETUP_S_PER_OP = 1e-4  # an op of a problem built
 BOUND_S_PER_OP = 3.5e-3  # an op of a problem bounded (lower_bounds_us under a cap, chain_fill's LPs included)
 MIN_SEARCH_SHARE = 0.1  # the search gets at least this share of the time limit, whatever the heuristic took
 LEANEST_TOLERANCE = 0.01  # _leanest bisects the cap to within this share of the peak it found
+SERIAL = "serial (one stream, every tensor kept)"  # the framework-style plan, as `_serial_or` names it
 FINAL_LAYOUTS = 6  # arena layouts the search leaves time for before the wall-clock deadline (the plan's checks)
 
 
@@ -259,13 +260,15 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
 
     bounds = lower_bounds_us(p, options.streams, cap_bytes)  # under the user's cap, not the arena's target
     work.bounded += len(p.ops)
-    # under a binding cap `done` offers the plan in serial form, whose one-stream bound is charged now
-    offer_serial_form = p1 is not p and base_peak > cap_bytes
+    # where the serial plan does not fit (its peak or its arena) `done` offers the plan in serial form, whose
+    # one-stream bound is charged now
+    serial_plan = _plan_of(graph, p1, base, cap_bytes, 1) if p1 is not p and base_peak <= cap_bytes else None
+    offer_serial_form = p1 is not p and not (serial_plan is not None and fits(serial_plan))  # its arena too
     work.bounded += len(p.ops) * offer_serial_form
     slack = fit_slack(p, options.streams, work)
     refined = options.time_limit_s > 0  # the search follows the heuristic (heuristic.recompute_over_offload)
     first_s = None
-    if on_progress and p1 is not p and base_peak <= cap_bytes:  # the serial plan is offered at the end (done)
+    if on_progress and p1 is not p and not offer_serial_form:  # the serial plan is offered at the end (done)
         report = on_progress
 
         def on_progress(makespan_us: float, bound_us: float, elapsed_s: float) -> None:
@@ -302,8 +305,8 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
 
     def done(plan: Plan) -> Plan:
         if p1 is not p:
-            plan = (_offer_serial(plan, graph, p1, base, base_peak, cap_bytes, fits)
-                    or _offer_serial_form(plan, graph, p1, cap_bytes, fits))
+            plan = (_offer_serial_form(plan, graph, p1, cap_bytes, fits) if offer_serial_form
+                    else _serial_or(plan, serial_plan, serial_plan.totals.makespan_us, SERIAL))
         plan.totals.first_plan_s = first_s if first_s is not None else time.monotonic() - t0
         return plan
 
@@ -355,7 +358,7 @@ def _offer_serial(plan: Plan, graph: Graph, p1: Problem, serial: Schedule, seria
     """`_serial_or` with the serial schedule of the one-stream problem `p1`; None where its peak or its arena
     passes the cap."""
     if serial_peak <= cap_bytes and fits(serial_plan := _plan_of(graph, p1, serial, cap_bytes, 1)):
-        return _serial_or(plan, serial_plan, serial_plan.totals.makespan_us, "serial (one stream, every tensor kept)")
+        return _serial_or(plan, serial_plan, serial_plan.totals.makespan_us, SERIAL)
     return None
 
 

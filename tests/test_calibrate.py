@@ -116,8 +116,9 @@ def test_traces_fit_the_copy_slowdown_and_solve_then_prices_every_copy_with_it(o
     assert device.copy_interference == pytest.approx(0.0, abs=0.002)  # the slowdown explains the whole run
     again = solve_plan(g, load_model(Profile, profile_file), cap, Options(time_limit_s=0, recompute=False))
     assert again.totals.copy_slowdown == device.copy_slowdown
-    for c in again.copies:
-        assert c.end_us - c.start_us == pytest.approx(device.copy_us(c.direction, c.bytes), abs=0.2)
+    for c in again.copies:  # but a graph input's copy out, which copies nothing
+        batch = c.direction == "d2h" and c.tensor in g.inputs
+        assert c.end_us - c.start_us == pytest.approx(0.0 if batch else device.copy_us(c.direction, c.bytes), abs=0.2)
     assert check_plan(again).ok
 
 
