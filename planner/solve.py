@@ -258,7 +258,9 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         work.layouts += len(p.ops)
         return fits_device(graph, plan, cap_bytes)
 
-    bounds = lower_bounds_us(p, options.streams, cap_bytes)  # under the user's cap, not the arena's target
+    # under the user's cap, not the arena's target; with a search to come, the first plan reports the quick ones
+    # and the search all (`final`), so that the first plan comes sooner
+    bounds = lower_bounds_us(p, options.streams, cap_bytes, quick=options.time_limit_s > 0)
     work.bounded += len(p.ops)
     # where the serial plan does not fit (its peak or its arena) `done` offers the plan in serial form, whose
     # one-stream bound is charged now
@@ -295,6 +297,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
             return built[target, id(hint)]
         limit, charged = options.time_limit_s, charged_s(work)
         search_s = max(limit - charged, limit * MIN_SEARCH_SHARE)
+        bounds.update(lower_bounds_us(p, options.streams, cap_bytes))
         plan = _solve_under(graph, p, target, base_us, base_peak, bounds, replace(options, time_limit_s=search_s),
                             on_progress, hint, fits, own_bound=target == cap_bytes,
                             deadline=t0 + limit - offer_serial_form * len(p.ops) * BOUND_S_PER_OP)

@@ -559,6 +559,21 @@ def test_the_first_valid_plan_is_handed_on_before_the_search_ends(googlenet_trai
     assert plan.totals.predicted_us <= first.totals.predicted_us
 
 
+def test_the_first_plan_reports_the_quick_bounds_and_the_searched_plan_every_bound(googlenet_train_b1):
+    """With a search to come, the first plan is handed on before the bounds that solve linear programs are
+    computed; the searched plan reports them, as a plan of the heuristic alone does."""
+    g = googlenet_train_b1
+    prof = estimate_profile(g, H100)
+    resident = build_problem(g, prof).resident_bytes
+    cap = resident + int((serial_peak_bytes(g) - resident) * 0.8)
+    firsts = []
+    plan = solve_plan(g, prof, cap, Options(time_limit_s=2, workers=2, concat="copy"), on_plan=firsts.append)
+    slow = {"chain_fill", "memory_cut"}
+    assert slow.isdisjoint(firsts[0].totals.bounds_us) and slow <= set(plan.totals.bounds_us)
+    assert firsts[0].totals.lower_bound_us <= plan.totals.lower_bound_us
+    assert slow <= set(solve_plan(g, prof, cap, Options(time_limit_s=0, concat="copy")).totals.bounds_us)
+
+
 def test_the_first_plan_with_concat_views_runs_on_the_model_as_given(googlenet_train_b1):
     """The first plan, written while the search goes on, names the model's own graph and its views, as the final
     plan does: `planner run` refused it before (its graph was the one with views)."""
