@@ -179,8 +179,8 @@ def _either(as_views: CapTooSmall, copied: CapTooSmall) -> CapTooSmall:
     if not 0 < other.floor_bytes < best.floor_bytes:
         return best
     way = "copied" if other is copied else "as views"
-    return CapTooSmall(f"{best}; with the concats {way} none below {fmt_bytes(other.floor_bytes)} can", best.minimum_bytes,
-                       best.schedule, other.floor_bytes)
+    return CapTooSmall(f"{best}; with the concats {way} none below {fmt_bytes(other.floor_bytes)} can",
+                       best.minimum_bytes, best.schedule, other.floor_bytes)
 
 
 def _copied_unsearched(as_views: CapTooSmall, copied: Problem) -> CapTooSmall:

@@ -99,7 +99,8 @@ class Execution:
         self.data_bytes = self.free_before - cp.cuda.runtime.memGetInfo()[0]
         self.load_parameters(parameters)
         self.host = {c.tensor: cp.cuda.alloc_pinned_memory(c.bytes) for c in self.plan.copies if c.direction == "d2h"}
-        self.copied = {"d2h": sum(c.bytes for c in plan.copies if c.direction == "d2h" and c.tensor not in self.staging),
+        self.copied = {"d2h": sum(c.bytes for c in plan.copies
+                                  if c.direction == "d2h" and c.tensor not in self.staging),  # staged: none
                        "h2d": sum(c.bytes for c in plan.copies if c.direction == "h2d")}
 
     def stage(self, inputs: dict[str, np.ndarray]) -> None:

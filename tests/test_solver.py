@@ -16,12 +16,12 @@ from typer.testing import CliRunner
 
 from planner import cpsat, refine
 from planner.analytic import estimate_profile
+from planner.bounds import memory_lower_bound
 from planner.check import check_plan
 from planner.cli import app
 from planner.devices import load_device
 from planner.files import PlannerError, load_model
 from planner.ir import Graph
-from planner.bounds import memory_lower_bound
 from planner.memsize import parse_size, parse_sizes
 from planner.onnx_import import import_onnx
 from planner.heuristic import Work, baseline, fit_cap, list_schedule, recompute_over_offload
