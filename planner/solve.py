@@ -47,7 +47,6 @@ SETUP_S_PER_OP = 1e-4  # an op of a problem built
 BOUND_S_PER_OP = 3.5e-3  # an op of a problem bounded (lower_bounds_us under a cap, chain_fill's LPs included)
 MIN_SEARCH_SHARE = 0.1  # the search gets at least this share of the time limit, whatever the heuristic took
 LEANEST_TOLERANCE = 0.01  # _leanest bisects the cap to within this share of the peak it found
-SERIAL = "serial (one stream, every tensor kept)"  # the framework-style plan, as `_serial_or` names it
 FINAL_LAYOUTS = 6  # arena layouts the search leaves time for before the wall-clock deadline (the plan's checks)
 
 
@@ -165,8 +164,9 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
     plan = on_model(plan)
     plan.totals.status += f"; {len(views)} concats as views{why}"
     if options.streams > 1:  # the framework's serial plan copies its concats
-        plan = _offer_serial(plan, graph, one_stream, serial, serial_peak, cap_bytes,
-                             lambda serial_plan: fits_device(graph, serial_plan, cap_bytes)) or plan
+        serial_plan = _fitting_serial(graph, one_stream, serial, serial_peak, cap_bytes,
+                                      lambda serial_plan: fits_device(graph, serial_plan, cap_bytes))
+        plan = _offer_serial(plan, serial_plan) if serial_plan else plan
     return _framework_baseline(plan, (serial_us, serial_peak))
 
 
@@ -260,12 +260,13 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
 
     # under the user's cap, not the arena's target; with a search to come, the first plan reports the quick ones
     # and the search all (`final`), so that the first plan comes sooner
-    bounds = lower_bounds_us(p, options.streams, cap_bytes, quick=options.time_limit_s > 0)
+    quick = options.time_limit_s > 0
+    bounds = lower_bounds_us(p, options.streams, cap_bytes, quick)
     work.bounded += len(p.ops)
     # where the serial plan does not fit (its peak or its arena) `done` offers the plan in serial form, whose
     # one-stream bound is charged now
-    serial_plan = _plan_of(graph, p1, base, cap_bytes, 1) if p1 is not p and base_peak <= cap_bytes else None
-    offer_serial_form = p1 is not p and not (serial_plan is not None and fits(serial_plan))  # its arena too
+    serial_plan = _fitting_serial(graph, p1, base, base_peak, cap_bytes, fits) if p1 is not p else None
+    offer_serial_form = p1 is not p and serial_plan is None
     work.bounded += len(p.ops) * offer_serial_form
     slack = fit_slack(p, options.streams, work)
     refined = options.time_limit_s > 0  # the search follows the heuristic (heuristic.recompute_over_offload)
@@ -297,7 +298,8 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
             return built[target, id(hint)]
         limit, charged = options.time_limit_s, charged_s(work)
         search_s = max(limit - charged, limit * MIN_SEARCH_SHARE)
-        bounds.update(lower_bounds_us(p, options.streams, cap_bytes))
+        if quick:
+            bounds.update(lower_bounds_us(p, options.streams, cap_bytes))
         plan = _solve_under(graph, p, target, base_us, base_peak, bounds, replace(options, time_limit_s=search_s),
                             on_progress, hint, fits, own_bound=target == cap_bytes,
                             deadline=t0 + limit - offer_serial_form * len(p.ops) * BOUND_S_PER_OP)
@@ -309,7 +311,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     def done(plan: Plan) -> Plan:
         if p1 is not p:
             plan = (_offer_serial_form(plan, graph, p1, cap_bytes, fits) if offer_serial_form
-                    else _serial_or(plan, serial_plan, serial_plan.totals.makespan_us, SERIAL))
+                    else _offer_serial(plan, serial_plan))
         plan.totals.first_plan_s = first_s if first_s is not None else time.monotonic() - t0
         return plan
 
@@ -356,13 +358,18 @@ def _with_arena(e: CapTooSmall, graph: Graph, p: Problem, streams: int) -> CapTo
                        e.schedule, e.floor_bytes)
 
 
-def _offer_serial(plan: Plan, graph: Graph, p1: Problem, serial: Schedule, serial_peak: int, cap_bytes: int,
-                  fits: Callable[[Plan], bool]) -> Plan | None:
-    """`_serial_or` with the serial schedule of the one-stream problem `p1`; None where its peak or its arena
-    passes the cap."""
+def _fitting_serial(graph: Graph, p1: Problem, serial: Schedule, serial_peak: int, cap_bytes: int,
+                    fits: Callable[[Plan], bool]) -> Plan | None:
+    """The serial schedule of the one-stream problem `p1` as a plan; None where its peak or its arena passes the
+    cap."""
     if serial_peak <= cap_bytes and fits(serial_plan := _plan_of(graph, p1, serial, cap_bytes, 1)):
-        return _serial_or(plan, serial_plan, serial_plan.totals.makespan_us, SERIAL)
+        return serial_plan
     return None
+
+
+def _offer_serial(plan: Plan, serial_plan: Plan) -> Plan:
+    """`_serial_or` with the framework-style serial plan (`_fitting_serial`), its makespan the one-stream bound."""
+    return _serial_or(plan, serial_plan, serial_plan.totals.makespan_us, "serial (one stream, every tensor kept)")
 
 
 def _offer_serial_form(plan: Plan, graph: Graph, p1: Problem, cap_bytes: int, fits: Callable[[Plan], bool]) -> Plan:
