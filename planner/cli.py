@@ -306,7 +306,8 @@ def _print_plan_summary(plan) -> None:
         ("compute streams / events", f"{t.streams_used} / {t.events_used}"),
         ("concats written in place", f"{len(plan.concat_views)}"),
         ("lower bound, gap", f"{t.lower_bound_us:.1f} us ("
-                             + ", ".join(f"{k} {v:.1f}" for k, v in t.bounds_us.items()) + f"), gap {t.gap:.1%}"),
+                             + ", ".join(f"{k} {v:.1f}" for k, v in t.bounds_us.items() if v > 0)
+                             + f"), gap {t.gap:.1%}"),  # memory_cut is 0 where the cap forces nothing off at any cut
         ("solver", f"{t.status} in {t.solve_time_s:.1f} s (first valid plan after {t.first_plan_s:.1f} s)"),
     ]
     rows += [("simplified", s) for s in t.simplifications]

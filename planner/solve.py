@@ -40,11 +40,13 @@ QUICK_EVALS = 40  # fit_cap's budget for the first valid plan (its starts, no on
 FIT_EVALS = 400  # ... and for the plan CP-SAT starts from
 FIT_SHARE = 0.25  # under a time limit, that second fit_cap may take this share of what the limit leaves
 # The heuristic's work (heuristic.Work) in seconds of the 2-core development machine, measured on GoogLeNet and
-# ResNet-50 training b32 (refitted in the nineteenth session, docs/BENCHMARKS.md):
-LIST_S_PER_JOB = 18e-6  # a job list-scheduled
+# ResNet-50 training b32 (refitted in the nineteenth session, jobs and setups again in the thirty-sixth: 22-26 us
+# and 0.11-0.22 ms; docs/BENCHMARKS.md):
+LIST_S_PER_JOB = 26e-6  # a job list-scheduled (with the rest of the heuristic's Python around it)
 LAYOUT_S_PER_OP = 2.3e-4  # an op of a plan built and laid out until a placement order fits the cap (fits_device)
-SETUP_S_PER_OP = 1e-4  # an op of a problem built
+SETUP_S_PER_OP = 2e-4  # an op of a problem built
 BOUND_S_PER_OP = 3.5e-3  # an op of a problem bounded (lower_bounds_us under a cap, chain_fill's LPs included)
+CPSAT_WALL_PER_DET = 7.5  # wall seconds per deterministic second of CP-SAT on a whole model (`_search`)
 MIN_SEARCH_SHARE = 0.1  # the search gets at least this share of the time limit, whatever the heuristic took
 LEANEST_TOLERANCE = 0.01  # _leanest bisects the cap to within this share of the peak it found
 FINAL_LAYOUTS = 6  # arena layouts the search leaves time for before the wall-clock deadline (the plan's checks)
@@ -514,10 +516,10 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
     model found nothing better than the list schedule in 60 s, nor better than the windows in what they left of
     120 s (at 50%: GoogLeNet 12 s, status UNKNOWN; ResNet-50 about 40 s, the same plan without it), while
     windows gain 5-9% in 30-90 s. The time limit is in seconds of the 2-core development machine: CP-SAT gets
-    1 / WALL_PER_DET of them as deterministic time; neither it nor the windows run past the wall clock's
+    1 / CPSAT_WALL_PER_DET of them as deterministic time; neither it nor the windows run past the wall clock's
     `deadline`."""
     from planner import cpsat  # OR-Tools only where CP-SAT runs: baseline and heuristic plans work without it
-    from planner.refine import LANES, WALL_PER_DET, refine
+    from planner.refine import LANES, refine
 
     found = [(hint, "heuristic", False)] if hint is not None else []
     bound, elapsed = 0, 0.0
@@ -552,7 +554,7 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
     limit = options.time_limit_s
     if len(p.ops) <= WHOLE_MODEL_OPS or hint is None:
         whole_s = limit * WHOLE_MODEL_SHARE
-        if whole(whole_s / WALL_PER_DET) != "OPTIMAL":
+        if whole(whole_s / CPSAT_WALL_PER_DET) != "OPTIMAL":
             elapsed = whole_s
             windows(limit - whole_s)
     else:
@@ -613,13 +615,12 @@ def _cap_too_small(p: Problem, cap_bytes: int, options: Options, status: str,
     minimum on small graphs. From the serial schedule instead, on GoogLeNet training b32 it found no schedule at
     all and ran 118 s past a 20-s limit."""
     from planner import cpsat
-    from planner.refine import WALL_PER_DET
 
     floor, least_s = memory_lower_bound(p)[0], options.time_limit_s * MIN_SEARCH_SHARE
     leanest, works = _leanest(p, options.streams, max(floor, cap_bytes), max(deadline, time.monotonic() + least_s))
     wall_s = max(deadline - time.monotonic(), least_s)
     r = cpsat.solve(p, max(p.device.memory_bytes, cap_bytes * 4, works), options.streams, _loose_horizon(p),
-                    min(options.time_limit_s, wall_s / WALL_PER_DET), options.workers, options.seed, hint=leanest,
+                    min(options.time_limit_s, wall_s / CPSAT_WALL_PER_DET), options.workers, options.seed, hint=leanest,
                     minimize_memory=True, max_wall_s=wall_s)
     if r.status == "OPTIMAL":
         works = floor = r.peak_bytes
