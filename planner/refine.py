@@ -39,11 +39,12 @@ WINDOW_DET_LEVELS = (0.02, 0.05, 0.1, 0.2)  # CP-SAT's deterministic time per wi
 # b32, budget in full, 4011.2 us at 50% (4016.9 from 0.05), 3653.0 uncapped (3654.3)
 WALL_PER_DET = 18.0  # wall seconds per deterministic second of the windows taken, laid out on the lanes, and
 WINDOW_OVERHEAD_S = 0.032  # the wall seconds a window costs besides: fitted to the rounds' wall times on the 2-core
-# development machine (training b32, budget in full, 178 and 162 rounds: GoogLeNet at 50% and ResNet-50 at
-# cap40torch together 14.2 and 0.024, with a quarter more for its swings, so that the budget, not the wall clock,
-# ends the search and plans repeat: with a tenth more, two of four 120-s solves still ran into the wall clock; they include the windows solved ahead and discarded, and the main
-# thread's work beside the lanes). The first fit (7.5 and 0.015, nineteenth session) counted half the wall time the
-# windows have taken since the memory model and the short stages
+# development machine (training b32, budget in full, 178 and 93 rounds of GoogLeNet at 50% and ResNet-50 at
+# cap40torch: 14.2 and 0.024 together), with a quarter more for its swings, so that the budget, not the wall clock,
+# ends 120-s searches and plans repeat (with a tenth more, two of four such solves still met the wall clock). They
+# include the windows solved ahead and discarded and the main thread's work, which differ by model: ResNet-50 at 50%
+# took a fifth more than these charges count. The first fit (7.5 and 0.015, nineteenth session) counted half the
+# wall time the windows have taken since the window memory model and the shorter stages
 LANES = 2  # windows solved at once, on threads (CP-SAT releases the GIL): that machine's cores
 LOOKAHEAD = 16  # windows solved ahead of the one whose result is taken next, at most
 FIT_EVERY = 8  # kept schedules between checks of the runner's arena (each ~0.07 s on training graphs)
