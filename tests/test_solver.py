@@ -331,6 +331,18 @@ def test_the_sweeps_first_cap_is_what_the_serial_plan_takes_on_the_device(tmp_pa
     assert "time against memory" in result.output
 
 
+def test_the_summary_leaves_out_bounds_that_hold_nowhere(tmp_path):
+    """Under a cap that forces nothing off at any cut, memory_cut is 0: the plan keeps it, the summary does not."""
+    from planner.plan import Plan
+
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(app, ["solve", str(MODELS / "googlenet.train.onnx"), "--train", "--analytic", "h100",
+                                      "--mem", "40%", "--time-limit", "0", "-o", str(out)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert load_model(Plan, out).totals.bounds_us["memory_cut"] == 0
+    assert "chain_fill" in result.output and "memory_cut" not in result.output
+
+
 @pytest.mark.parametrize("path", sorted((MODELS.parent.parent / "plans").glob("*.json")), ids=lambda p: p.name)
 def test_every_shipped_plan_passes_check(path):
     from planner.plan import Plan
