@@ -40,9 +40,9 @@ QUICK_EVALS = 40  # fit_cap's budget for the first valid plan (its starts, no on
 FIT_EVALS = 400  # ... and for the plan CP-SAT starts from
 FIT_SHARE = 0.25  # under a time limit, that second fit_cap may take this share of what the limit leaves
 # The heuristic's work (heuristic.Work) in seconds of the 2-core development machine, measured on GoogLeNet and
-# ResNet-50 training b32 (refitted in the nineteenth session, jobs and setups again in the thirty-sixth: 22-26 us
-# and 0.11-0.22 ms; docs/BENCHMARKS.md):
-LIST_S_PER_JOB = 26e-6  # a job list-scheduled (with the rest of the heuristic's Python around it)
+# ResNet-50 training b32 (refitted in the nineteenth session, jobs and setups again in the thirty-sixth: 22-30 us
+# and 0.11-0.22 ms, the most taken; docs/BENCHMARKS.md):
+LIST_S_PER_JOB = 30e-6  # a job list-scheduled (with the rest of the heuristic's Python around it)
 LAYOUT_S_PER_OP = 2.3e-4  # an op of a plan built and laid out until a placement order fits the cap (fits_device)
 SETUP_S_PER_OP = 2e-4  # an op of a problem built
 BOUND_S_PER_OP = 3.5e-3  # an op of a problem bounded (lower_bounds_us under a cap, chain_fill's LPs included)
@@ -97,6 +97,7 @@ class Options:
     dram: bool = False  # DRAM bandwidth as a second cumulative beside the SM share
     baseline: bool = False  # emit the framework-style plan instead: serial, fastest algorithm, everything kept
     concat: Literal["auto", "view", "copy"] = "auto"  # concats written in place by their producers (see solve_plan)
+    deterministic: bool = False  # the time limit counts work alone: no wall clock ends the search (see solve_plan)
 
 
 def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options = Options(),
@@ -112,7 +113,9 @@ def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options 
     forces views, "copy" (and the framework-style baseline) never makes them. `on_plan` gets the first valid
     plan (the quick heuristic's, within seconds) while the search goes on. The time limit covers the whole solve:
     the search gets what the work before it leaves (`charged_s`), and `solve_time_s` is the whole solve's. The
-    budget counts work, so that plans repeat; the wall clock at the limit ends the search all the same."""
+    budget counts work, so that plans repeat; the wall clock at the limit ends the search all the same, unless
+    `deterministic`: then the same plan comes on any machine, past the limit where the machine is slower than the
+    budget counts."""
     t0, work = time.monotonic(), Work()
     plan = _solve_concats(graph, profile, cap_bytes, options, on_progress, on_plan, work, t0)
     plan.totals.solve_time_s = time.monotonic() - t0
@@ -154,7 +157,7 @@ def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Opti
         if options.concat == "view":
             raise
         setup_s = charged_s(work) - charged_before  # the copied way's work before its search is about as much
-        left_s = t0 + options.time_limit_s - time.monotonic()
+        left_s = options.time_limit_s - (charged_s(work) if options.deterministic else time.monotonic() - t0)
         if options.time_limit_s > 0 and left_s < setup_s + options.time_limit_s * MIN_SEARCH_SHARE:
             raise _copied_unsearched(as_views, _problem(graph, profile, options, work)) from None
         try:
@@ -299,12 +302,14 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         if options.time_limit_s <= 0 and hint is not None and (target, id(hint)) in built:
             return built[target, id(hint)]
         limit, charged = options.time_limit_s, charged_s(work)
-        search_s = max(limit - charged, limit * MIN_SEARCH_SHARE)
+        checks_s = FINAL_LAYOUTS * len(p.ops) * LAYOUT_S_PER_OP  # the plan's checks after the search (_solve_under)
+        search_s = max(limit - charged - checks_s, limit * MIN_SEARCH_SHARE)
         if quick:
             bounds.update(lower_bounds_us(p, options.streams, cap_bytes))
         plan = _solve_under(graph, p, target, base_us, base_peak, bounds, replace(options, time_limit_s=search_s),
                             on_progress, hint, fits, own_bound=target == cap_bytes,
-                            deadline=t0 + limit - offer_serial_form * len(p.ops) * BOUND_S_PER_OP)
+                            deadline=math.inf if options.deterministic
+                            else t0 + limit - offer_serial_form * len(p.ops) * BOUND_S_PER_OP)
         if limit > 0:
             plan.totals.status += (f"; the search had {search_s:.1f} s of the {limit:g} s limit, the heuristic's "
                                    f"work {charged:.1f} s")
@@ -529,7 +534,7 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
         start = found[0][0] if found else None
         result = cpsat.solve(p, cap_bytes, options.streams, horizon, limit_s, options.workers, options.seed, start,
                              lambda ms, at_bound, at: progress(ms, at_bound, elapsed + at),
-                             max_wall_s=deadline - time.monotonic())
+                             max_wall_s=deadline - time.monotonic(), wall_cap=not options.deterministic)
         bound = result.bound_ticks
         if result.schedule is not None and (start is None or cost(p, result.schedule) < cost(p, start)):
             if start is None or found[0][1] == "heuristic":
@@ -620,8 +625,8 @@ def _cap_too_small(p: Problem, cap_bytes: int, options: Options, status: str,
     leanest, works = _leanest(p, options.streams, max(floor, cap_bytes), max(deadline, time.monotonic() + least_s))
     wall_s = max(deadline - time.monotonic(), least_s)
     r = cpsat.solve(p, max(p.device.memory_bytes, cap_bytes * 4, works), options.streams, _loose_horizon(p),
-                    min(options.time_limit_s, wall_s / CPSAT_WALL_PER_DET), options.workers, options.seed, hint=leanest,
-                    minimize_memory=True, max_wall_s=wall_s)
+                    min(options.time_limit_s, wall_s) / CPSAT_WALL_PER_DET, options.workers, options.seed,
+                    hint=leanest, minimize_memory=True, max_wall_s=wall_s, wall_cap=not options.deterministic)
     if r.status == "OPTIMAL":
         works = floor = r.peak_bytes
         leanest = r.schedule

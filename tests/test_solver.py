@@ -8,6 +8,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -662,6 +663,26 @@ def test_the_wall_clock_ends_the_search_at_the_time_limit(googlenet_train_b1, mo
     plan = solve_plan(g, prof, cap, Options(time_limit_s=8, workers=2, concat="copy"))
     assert "the wall clock ended the search at the time limit" in plan.totals.status
     assert check_plan(plan).ok
+
+
+def test_a_deterministic_solve_repeats_on_a_machine_slower_than_the_budget_counts(googlenet_train_b1, monkeypatch):
+    """Windows made slower than their charges (a sleep each), as on a slow machine, where the wall clock would end
+    the search at the limit: with --deterministic the budget alone ends it, so two solves give one plan."""
+    solve_window = refine.solve_window
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return solve_window(*args, **kwargs)
+
+    monkeypatch.setattr(refine, "solve_window", slow)
+    g = googlenet_train_b1
+    prof = estimate_profile(g, H100)
+    resident = build_problem(g, prof).resident_bytes
+    cap = resident + int((serial_peak_bytes(g) - resident) * 0.8)
+    options = Options(time_limit_s=8, workers=2, concat="copy", deterministic=True)
+    plans = [solve_plan(g, prof, cap, options) for _ in range(2)]
+    assert "wall clock" not in plans[0].totals.status and "refined window by window" in plans[0].totals.status
+    assert plans[0].ops == plans[1].ops and plans[0].tensors == plans[1].tensors
 
 
 def test_without_cp_sat_the_first_plan_is_the_plan(googlenet_train_b1):
