@@ -212,6 +212,12 @@ def charged_s(work: Work) -> float:
             + work.bounded * BOUND_S_PER_OP)
 
 
+def final_checks_s(p: Problem) -> float:
+    """The seconds the plan's checks after the search take (FINAL_LAYOUTS arena layouts): the search's budget and
+    its wall-clock deadline both leave them."""
+    return FINAL_LAYOUTS * len(p.ops) * LAYOUT_S_PER_OP
+
+
 def _problem(graph: Graph, profile: Profile, options: Options, work: Work, streams: int | None = None) -> Problem:
     """The graph's Problem under the options (for plans on `streams`, default the options'), its setup counted in
     `work`."""
@@ -302,8 +308,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         if options.time_limit_s <= 0 and hint is not None and (target, id(hint)) in built:
             return built[target, id(hint)]
         limit, charged = options.time_limit_s, charged_s(work)
-        checks_s = FINAL_LAYOUTS * len(p.ops) * LAYOUT_S_PER_OP  # the plan's checks after the search (_solve_under)
-        search_s = max(limit - charged - checks_s, limit * MIN_SEARCH_SHARE)
+        search_s = max(limit - charged - final_checks_s(p), limit * MIN_SEARCH_SHARE)
         if quick:
             bounds.update(lower_bounds_us(p, options.streams, cap_bytes))
         plan = _solve_under(graph, p, target, base_us, base_peak, bounds, replace(options, time_limit_s=search_s),
@@ -490,7 +495,7 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base_us: float, base_
         found = [(hint, "heuristic (CP-SAT not run: time limit 0)", False)]
     else:
         fits_schedule = lambda s: fits(_plan_of(graph, p, s, cap_bytes, options.streams))  # noqa: E731
-        deadline -= FINAL_LAYOUTS * len(p.ops) * LAYOUT_S_PER_OP
+        deadline -= final_checks_s(p)
         found, solver_bound_ticks = _search(p, cap_bytes, horizon, hint, options, progress, fits_schedule, deadline)
         if own_bound and solver_bound_ticks > 0:
             bounds["solver"] = solver_bound_ticks * tick
