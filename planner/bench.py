@@ -30,7 +30,7 @@ from planner.memsize import fmt_bytes, parse_size
 from planner.plan import Plan
 
 MIN_ITERATIONS = 50  # per variant, over all rounds
-EQUIVALENT = 0.05  # our IR's PyTorch build and torchvision's must run within 5% of each other
+EQUIVALENT = 0.05  # our IR's PyTorch build may run at most 5% slower than torchvision's
 DTYPES = ("fp16", "fp32")
 
 
@@ -72,7 +72,10 @@ class EquivalenceCheck(BaseModel):
     eager (framework overhead included) and as CUDA graphs (the GPU work alone). Both builds are compared on
     their lower decile: an eager iteration is CPU-bound and jitters with the host's scheduling (H100 machine: p10
     to p90 spans 3.1-5.0 ms), and over three runs the builds' ratio of medians ranged 0.96-1.09, of lower deciles
-    0.98-1.02."""
+    0.98-1.02. The check is one-sided: our build is the PyTorch peer the planner is compared against, so only a
+    slower one handicaps PyTorch; a faster one makes the comparison harder for the planner. Eager, ours runs
+    faster when the host does (six runs on the H100 machine: lower deciles 2896-5004 us, ratios 0.955-1.025, the
+    lowest on the slowest runs), and a two-sided 5% failed one GPU test run in about eight."""
 
     model_name: str
     batch: int
@@ -82,7 +85,7 @@ class EquivalenceCheck(BaseModel):
     ours_ir_us: float = Field(description="lower decile of our IR's build")
     torchvision_us: float = Field(description="lower decile of torchvision's build")
     ratio: float = Field(description="ours_ir_us / torchvision_us")
-    passed: bool = Field(description=f"within {EQUIVALENT:.0%} of each other")
+    passed: bool = Field(description=f"ours at most {EQUIVALENT:.0%} slower than torchvision's")
 
 
 class BenchReport(BaseModel):
@@ -203,7 +206,7 @@ def equivalence_checks(rows: list[BenchRow]) -> list[EquivalenceCheck]:
                 out.append(EquivalenceCheck(model_name=config[0], batch=config[1], dtype=config[2],
                                             training=config[3], mode=mode, ours_ir_us=ours.p10_us,
                                             torchvision_us=tv.p10_us, ratio=ratio,
-                                            passed=abs(ratio - 1) <= EQUIVALENT))
+                                            passed=ratio <= 1 + EQUIVALENT))
     return out
 
 

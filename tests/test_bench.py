@@ -78,6 +78,17 @@ def test_rows_ratios_and_the_torchvision_check():
     assert {r.best_torch for r in capped} == {"torch checkpoint"}
 
 
+def test_the_torchvision_check_fails_only_a_slower_peer():
+    """Our IR's build is the PyTorch peer: faster than torchvision's only makes the comparison harder for us."""
+    rows = _rows()
+    tv = next(r for r in rows if r.variant == "torchvision eager")
+    ours = next(r for r in rows if r.variant == "torch eager")
+    for tv_p10_us, passed in ((ours.p10_us / 0.90, True), (ours.p10_us / 1.04, True), (ours.p10_us / 1.08, False)):
+        tv.p10_us = tv_p10_us
+        (check,) = equivalence_checks(rows)
+        assert check.passed is passed
+
+
 def test_no_torch_rows_no_ratios():
     rows = [r for r in _rows() if r.framework == "ours"]
     add_ratios(rows)
@@ -99,7 +110,7 @@ def test_table_names_every_variant_with_numbers_and_versions():
     text = console.export_text()
     for words in ("NVIDIA H100", "driver 13000", "cudnn 91900", "torch 2.11.0", "TF32", "googlenet:",
                   "b32 fp16 train", "ours planned", "torch checkpoint", "0.700", "0.78x", "6.00 GiB",
-                  "within 5%", "an example note"):
+                  "2% slower", "an example note"):
         assert words in text, words
 
 

@@ -53,7 +53,7 @@ def test_bench_small_network(tmp_path, train):
 
 
 def test_googlenet_peer_is_as_fast_as_torchvision(models):
-    """Our IR's PyTorch GoogLeNet and torchvision's run within 5% of each other (the peer is not handicapped)."""
+    """Our IR's PyTorch GoogLeNet runs at most 5% slower than torchvision's (the peer is not handicapped)."""
     pytest.importorskip("torchvision")
     if not _torch_runs():
         pytest.skip("PyTorch sees no GPU")
