@@ -208,9 +208,9 @@ def solve(
                                      "search, in seconds of a 2-core machine (counted from the work done, so plans "
                                      "repeat; faster machines finish sooner, and the wall clock ends the search at the "
                                      "limit on slower ones); 0: the list-scheduling heuristic alone, no OR-Tools"),
-    deterministic: bool = typer.Option(False, "--deterministic", help="no wall clock ends the search: the same "
-                                       "plan for a seed and worker count on any machine, past --time-limit where "
-                                       "the machine is slower than the budget counts"),
+    deterministic: bool = typer.Option(False, "--deterministic", help="no wall clock ends the search (but at 3x "
+                                       "--time-limit): the same plan for a seed and worker count on any machine, "
+                                       "past --time-limit where the machine is slower than the budget counts"),
     workers: int = typer.Option(8, "--workers", min=1, help="CP-SAT workers"),
     seed: int = typer.Option(0, "--seed", help="CP-SAT random seed"),
     dram: bool = typer.Option(False, "--dram", help="also keep the running ops' DRAM shares at most 1 (off by "

@@ -294,8 +294,8 @@ def solve(p: Problem, cap_bytes: int, streams: int, horizon: int, time_limit_s: 
           seed: int = 0, hint: Schedule | None = None, on_progress=None, log: bool = False,
           minimize_memory: bool = False, max_wall_s: float = float("inf"), wall_cap: bool = True) -> SolveResult:
     """Build the model and solve it; deterministic for a given seed and worker count (deterministic time limit),
-    unless the wall clock reaches four times the limit, or `max_wall_s`, first (without `wall_cap`, it never
-    ends the search).
+    unless the wall clock reaches four times the limit, or `max_wall_s`, first (without `wall_cap`, only
+    `max_wall_s` ends it: a runaway guard).
 
     With minimize_memory the objective is the peak alone (the smallest cap any schedule fits, for exit 3), and
     the bound returned is in bytes, the schedule one that peaks at `peak_bytes`.
@@ -323,8 +323,9 @@ def solve(p: Problem, cap_bytes: int, streams: int, horizon: int, time_limit_s: 
     solver = cp_model.CpSolver()
     prm = solver.parameters
     prm.max_deterministic_time = time_limit_s
-    if wall_cap:
-        prm.max_time_in_seconds = max(0.0, min(time_limit_s * 4, max_wall_s))
+    wall_s = min(time_limit_s * 4, max_wall_s) if wall_cap else max_wall_s
+    if wall_s < float("inf"):
+        prm.max_time_in_seconds = max(0.0, wall_s)
     prm.num_workers = workers
     prm.random_seed = seed
     prm.interleave_search = True
