@@ -49,8 +49,8 @@ def print_report(report: BenchReport, console: Console) -> None:
         console.print(f"{_config_label(row)}: ratios against {row.best_torch}, the fastest PyTorch variant"
                       + (f" under the cap {fmt_bytes(row.cap_bytes)}" if under else ""), highlight=False)
     for c in report.checks:
-        verdict = (("[green]as fast[/]" if c.ratio <= 1 else f"[green]{c.ratio - 1:.0%} slower[/]") if c.passed
-                   else f"[yellow]{c.ratio - 1:.0%} slower: the peer is handicapped[/]")
+        than = f"{1 - c.ratio:.0%} faster" if c.ratio <= 1 else f"{c.ratio - 1:.0%} slower"
+        verdict = f"[green]{than}[/]" if c.passed else f"[yellow]{than}: the peer is handicapped[/]"
         console.print(f"check {c.model_name} b{c.batch} {c.dtype} {c.mode}: our IR's PyTorch build "
                       f"{fmt_us(c.ours_ir_us)}, torchvision {fmt_us(c.torchvision_us)} "
                       f"(lower deciles, {c.ratio:.3f}x): {verdict}")
