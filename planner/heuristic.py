@@ -347,7 +347,8 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slac
     best = None
     starts = [[t for t in by_cost if p.tensors[t].recompute.time_us / p.tensors[t].bytes * 2**20 <= limit]
               for limit in RECOMPUTE_LIMITS]
-    covers = [cheapest_cover(p, cap_bytes, by_cost, chain_free) for chain_free in (False, True)]
+    worst = worst_cut(p, cap_bytes)
+    covers = [cheapest_cover(p, worst, by_cost, chain_free) for chain_free in (False, True)]
     for recomputed in [*dict.fromkeys(tuple(c) for c in covers), *starts]:
         decision: dict[int, Decision] = {t: "recompute" for t in recomputed}
         order = [t for t in made if t not in decision]
@@ -400,16 +401,17 @@ def recompute_over_offload(p: Problem, best: Outcome, run: Callable[[dict[int, D
     return best
 
 
-def cheapest_cover(p: Problem, cap_bytes: int, by_cost: list[int], chain_free: bool = False) -> list[int]:
+def cheapest_cover(p: Problem, worst: tuple[int, set[int]], by_cost: list[int], chain_free: bool = False
+                   ) -> list[int]:
     """The cheapest recomputations (`by_cost` order) that free what the cap forces away at its tightest cut
-    (bounds.worst_cut): the integral start the memory_cut bound's relaxation points at. `chain_free` skips those
-    that read a chosen one or are read by one: a recomputation that reads another recomputed tensor brings that
-    one back with it, at the later one's backward use, and both stay until the earlier one's readers run
-    (ResNet-50 training b32 at 40% of its serial peak: the cover recomputes layer3.1-3.4's block outputs together
-    at layer4.0's backward, 85 MiB over, and no start fit; without chains fit_cap ends at 9464.0 us, not
-    9676.0; at 30%, 13688.9, not 17652.0, and the 120-s plan runs 24.8% faster on the H100). It may then free
-    less than the excess: offloads cover the rest."""
-    excess, away = worst_cut(p, cap_bytes)
+    (`worst`: bounds.worst_cut, computed once for both covers): the integral start the memory_cut bound's
+    relaxation points at. `chain_free` skips those that read a chosen one or are read by one: a recomputation
+    that reads another recomputed tensor brings that one back with it, at the later one's backward use, and both
+    stay until the earlier one's readers run (ResNet-50 training b32 at 40% of its serial peak: the cover
+    recomputes layer3.1-3.4's block outputs together at layer4.0's backward, 85 MiB over, and no start fit;
+    without chains fit_cap ends at 9464.0 us, not 9676.0; at 30%, 13688.9, not 17652.0, and the 120-s plan runs
+    24.8% faster on the H100). It may then free less than the excess: offloads cover the rest."""
+    excess, away = worst
     chosen, read, freed = [], set(), 0
     for t in by_cost:
         if freed >= excess:
