@@ -81,11 +81,13 @@ class CapTooSmall(PlannerError):
 
     exit_code = EXIT_CAP_TOO_SMALL
 
-    def __init__(self, message: str, minimum_bytes: int, schedule: Schedule | None = None, floor_bytes: int = 0):
+    def __init__(self, message: str, minimum_bytes: int, schedule: Schedule | None = None, floor_bytes: int = 0,
+                 verdict: str = "", note: str = ""):
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
         self.schedule = schedule  # one that peaks at minimum_bytes, where one was found
         self.floor_bytes = floor_bytes
+        self.verdict, self.note = verdict, note  # the message's parts before and after the answer (_answer)
 
 
 @dataclass
@@ -369,8 +371,19 @@ def _with_arena(e: CapTooSmall, graph: Graph, p: Problem, streams: int) -> CapTo
     need = device_bytes(graph, _plan_of(graph, p, e.schedule, e.minimum_bytes, streams))
     if need <= e.minimum_bytes:
         return e
-    return CapTooSmall(f"{e}; that schedule's arena needs {need} bytes ({fmt_bytes(need)}) on the device", need,
-                       e.schedule, e.floor_bytes)
+    return CapTooSmall(f"{e.verdict}; {_answer(need, e.floor_bytes, e.minimum_bytes)}{e.note}", need, e.schedule,
+                       e.floor_bytes, e.verdict, e.note)
+
+
+def _answer(works_bytes: int, floor_bytes: int, peak_bytes: int = 0) -> str:
+    """What exit 3 says works, as the cap to pass to --mem: where the runner's arena needs more than the schedule's
+    peak (`peak_bytes`), the arena's."""
+    if works_bytes == floor_bytes:
+        return f"minimum cap: {works_bytes} bytes ({fmt_bytes(works_bytes)})"
+    laid_out = (f" (its schedule peaks at {fmt_bytes(peak_bytes)}, which the runner's arena lays out in that)"
+                if peak_bytes else "")
+    return (f"a cap of {works_bytes} bytes ({fmt_bytes(works_bytes)}) works{laid_out}; "
+            f"none below {fmt_bytes(floor_bytes)} can")
 
 
 def _fitting_serial(graph: Graph, p1: Problem, serial: Schedule, serial_peak: int, cap_bytes: int,
@@ -642,14 +655,17 @@ def _cap_too_small(p: Problem, cap_bytes: int, options: Options, status: str,
     if r.status == "OPTIMAL":
         works = floor = r.peak_bytes
         leanest = r.schedule
-        what = f"minimum cap: {works} bytes ({fmt_bytes(works)})"
     else:
         if r.status == "FEASIBLE" and r.peak_bytes < works:
             works, leanest = r.peak_bytes, r.schedule
         floor = max(floor, r.bound_ticks if r.status == "FEASIBLE" else 0)
-        what = f"a cap of {works} bytes ({fmt_bytes(works)}) works; none below {fmt_bytes(floor)} can"
     verdict = "no schedule fits" if status == "INFEASIBLE" else f"no schedule found in the time limit ({status})"
-    return CapTooSmall(f"{verdict} under the cap {fmt_bytes(cap_bytes)}; {what}", works, leanest, floor)
+    verdict += f" under the cap {fmt_bytes(cap_bytes)}"
+    note = ""
+    if options.deterministic and r.status != "OPTIMAL" and r.wall_s >= wall_s:
+        note = (f"; the wall clock ended the search at {RUNAWAY:g} times the time limit (CP-SAT overran its "
+                f"deterministic limit): the answer may differ between runs")
+    return CapTooSmall(f"{verdict}; {_answer(works, floor)}{note}", works, leanest, floor, verdict, note)
 
 
 def _leanest(p: Problem, streams: int, failed_bytes: int, until: float = math.inf) -> tuple[Schedule, int]:

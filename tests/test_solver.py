@@ -218,9 +218,25 @@ def test_the_minimum_cap_covers_the_runners_arena(googlenet_train_b1):
     p = build_problem(g, estimate_profile(g, H100))
     serial = baseline(p)
     peak = peak_memory(p, serial.decision, timed(p, serial))[0]
-    error = _with_arena(CapTooSmall("no schedule fits", peak, serial), g, p, 4)
+    error = _with_arena(CapTooSmall("no schedule fits", peak, serial, verdict="no schedule fits"), g, p, 4)
     assert error.minimum_bytes == device_bytes(g, _plan_of(g, p, serial, peak, 4)) > peak
-    assert "arena needs" in str(error) and error.exit_code == 3
+    assert str(error).startswith(f"no schedule fits; a cap of {error.minimum_bytes} bytes") and error.exit_code == 3
+    assert "which the runner's arena lays out in that" in str(error)
+
+
+def test_the_cap_exit_3_says_works_solves():
+    """The cap exit 3 names is one to pass to --mem: the arena of its schedule, not that schedule's peak (GoogLeNet
+    training b32 said 257.31 MiB, the peak, and failed again at it; the arena, 266.00 MiB, solves)."""
+    g = build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=8, dtype="fp16", training=True))
+    prof = estimate_profile(g, H100)
+    options = Options(time_limit_s=2, workers=2)
+    floor = memory_lower_bound(build_problem(g, prof))[0]
+    with pytest.raises(CapTooSmall) as error:
+        solve_plan(g, prof, int(floor * 1.02), options)
+    works = error.value.minimum_bytes
+    assert f"a cap of {works} bytes" in str(error.value) and error.value.floor_bytes < works
+    plan = solve_plan(g, prof, works, options)
+    assert plan.totals.mem_cap_bytes == works and device_bytes(g, plan) <= works and check_plan(plan).ok
 
 
 def test_googlenet_inference_beats_serial_and_checks():
@@ -724,6 +740,26 @@ def test_a_deterministic_solve_ends_where_cp_sat_runs_away(monkeypatch):
     plan = solve_plan(g, estimate_profile(g, H100), H100.memory_bytes, options)
     assert "the wall clock ended the search at 3 times the time limit" in plan.totals.status
     assert check_plan(plan).ok
+
+
+def test_exit_3_says_when_the_runaway_guard_ended_its_search(monkeypatch):
+    """The peak-minimising search behind exit 3 has the same guard, and its answer says so."""
+    from ortools.sat.python import cp_model
+    from planner.solve import _cap_too_small
+
+    solve = cp_model.CpSolver.solve
+
+    def runaway(self, model, *args):
+        time.sleep(self.parameters.max_time_in_seconds)
+        self.parameters.max_time_in_seconds = 0.0
+        return solve(self, model, *args)
+
+    monkeypatch.setattr(cp_model.CpSolver, "solve", runaway)
+    p = random_problem(random.Random(7), n_ops=8, n_alts=2, training=True)
+    options = Options(time_limit_s=10, workers=1, deterministic=True)
+    error = _cap_too_small(p, 1, options, "UNKNOWN", deadline=time.monotonic() + 1)
+    assert str(error).endswith("(CP-SAT overran its deterministic limit): the answer may differ between runs")
+    assert error.schedule is not None
 
 
 def test_without_cp_sat_the_first_plan_is_the_plan(googlenet_train_b1):
