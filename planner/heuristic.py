@@ -2,19 +2,16 @@
 
 The baseline runs ops one at a time in graph order with the fastest algorithm each and keeps everything on the
 device: what a framework does. `list_schedule` runs ops on several streams with copies on their own engines
-and holds back what does not fit the cap until memory is freed; `fit_cap` chooses which saved tensors to
-offload or recompute so that it fits, and as short as it can find. The result is CP-SAT's hint and the
-fallback when CP-SAT finds nothing better.
+and holds back what does not fit the cap until memory is freed; planner.decisions chooses which saved tensors
+it offloads or recomputes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
 
-from planner.bounds import sm_share, worst_cut
 from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
-from planner.schedule import Decision, Schedule, timed
+from planner.schedule import Decision, Schedule
 
 PREFETCH_HEADROOM = 2.0  # issue a prefetch this many copy-durations of compute before its first use
 
@@ -60,6 +57,8 @@ class Outcome:
     makespan: int
     over: int = 0
     stuck_at: int = -1
+    overflow: int = 0  # the bytes over the cap summed over the items that went ahead over it
+    over_at: list[int] = field(default_factory=list)  # the instants they went ahead
 
     @property
     def fits(self) -> bool:
@@ -131,7 +130,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             succs[a].append(b)
     first_left, second_left = _residency_counts(p, decision, rec)
     used = p.resident_bytes + sum(tu.bytes for tu in tensors if tu.producer is None)
-    over, stuck_at = 0, -1
+    over, stuck_at, overflow, over_at = 0, -1, 0, []
     allocated: set[int] = set()  # tensors some writer has allocated (a concat_view's output has several)
     s = Schedule(alt=[0] * n, start=[0] * n, decision=dict(decision), status="list")
     start, choice = [0] * len(jobs), [0] * len(jobs)
@@ -241,6 +240,8 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
                 else:
                     prefetch(False, False)
                 over, stuck_at = max(over, used - cap_bytes), now if stuck_at < 0 else stuck_at
+                overflow += max(0, used - cap_bytes)
+                over_at.append(now)
         events = [e for e, _ in running] + [c[0] for c in (d2h_busy, h2d_busy) if c]
         if not events:
             break
@@ -249,7 +250,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
         work.jobs += len(jobs)
     s.alt, s.start = choice[:n], start[:n]
     s.recompute_start = {t: start[n + k] for k, t in enumerate(rec)}
-    return Outcome(s, s.makespan(p), over, stuck_at)
+    return Outcome(s, s.makespan(p), over, stuck_at, overflow, over_at)
 
 
 def _within_slack(alts: list[Alternative], slack: float) -> list[int]:
@@ -317,111 +318,3 @@ def interference_ticks(p: Problem, decision: dict[int, Decision]) -> float:
 def cost(p: Problem, s: Schedule) -> float:
     """What the heuristic and CP-SAT minimise: the makespan plus the copies' interference."""
     return s.makespan(p) + interference_ticks(p, s.decision)
-
-
-def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slack: float = 1.0,
-            work: Work | None = None, refined: bool = False) -> Outcome | None:
-    """Keep/offload/recompute decisions that meet the cap with the shortest list schedule (at `slack`) found.
-
-    Starts: recompute the cheapest (per byte) that free the tightest cut's excess (`cheapest_cover`), the same
-    without recomputations that read one another (`chain_free`), or, for
-    each RECOMPUTE_LIMITS bound, every tensor that cheap; then offload the fewest other saved tensors, earliest
-    made first (their copies have the longest to hide in), that make the list schedule fit (bisection). The
-    shortest start is improved one decision at a time (keep, offload, recompute), kept when it still fits and
-    gets shorter; then, when the windows will `refine` the schedule, offloads cheaper to recompute are recomputed
-    (`recompute_over_offload`). Deterministic: a budget of schedule evaluations, not of seconds.
-    """
-    evals = 0
-
-    def run(decision: dict[int, Decision]) -> Outcome:
-        nonlocal evals
-        evals += 1
-        return list_schedule(p, cap_bytes, streams, decision, slack, work)
-
-    best = run({})
-    if best.fits:
-        return best
-    by_cost = sorted((t for t, tu in enumerate(p.tensors) if tu.can_recompute),
-                     key=lambda t: (p.tensors[t].recompute.time_us / p.tensors[t].bytes, t))
-    made = sorted((t for t, tu in enumerate(p.tensors) if tu.can_offload), key=lambda t: (p.tensors[t].producer or -1, t))
-    best = None
-    starts = [[t for t in by_cost if p.tensors[t].recompute.time_us / p.tensors[t].bytes * 2**20 <= limit]
-              for limit in RECOMPUTE_LIMITS]
-    worst = worst_cut(p, cap_bytes)
-    covers = [cheapest_cover(p, worst, by_cost, chain_free) for chain_free in (False, True)]
-    for recomputed in [*dict.fromkeys(tuple(c) for c in covers), *starts]:
-        decision: dict[int, Decision] = {t: "recompute" for t in recomputed}
-        order = [t for t in made if t not in decision]
-        lo, hi = 0, len(order)
-        while lo <= hi and evals < max_evals:
-            mid = (lo + hi) // 2
-            out = run({**decision, **{t: "offload" for t in order[:mid]}})
-            if out.fits:
-                hi = mid - 1
-                if best is None or cost(p, out.schedule) < cost(p, best.schedule):
-                    best = out
-            else:
-                lo = mid + 1
-    if best is None:
-        return None
-    improved = True
-    while improved and evals < max_evals:
-        improved = False
-        for t, tu in enumerate(p.tensors):
-            for how in ("keep", "offload", "recompute") if tu.choosable else ():
-                if how == best.schedule.decision.get(t, "keep") or evals >= max_evals:
-                    continue
-                if how == "offload" and not tu.can_offload or how == "recompute" and not tu.can_recompute:
-                    continue
-                trial = {u: d for u, d in best.schedule.decision.items() if u != t}
-                if how != "keep":
-                    trial[t] = how
-                out = run(trial)
-                if out.fits and cost(p, out.schedule) < cost(p, best.schedule):
-                    best, improved = out, True
-    return recompute_over_offload(p, best, run) if refined else best
-
-
-def recompute_over_offload(p: Problem, best: Outcome, run: Callable[[dict[int, Decision]], Outcome]) -> Outcome:
-    """`best` with each offload whose recomputation's SM work (time x SM share) is below the copies' interference
-    made a recomputation, where the list schedule still fits: the bound's LP prices the two so. The list schedule
-    puts a recomputation on the critical path, just before its reader, and prices it in full; the windows
-    (planner.refine) then hide it in SM gaps, where a copy back still binds the backward readers it feeds. Without
-    the windows the list schedule is the plan, and its price stands (GoogLeNet at 50%: 10 us longer).
-    GoogLeNet training b32 at 50%, the 120-s budget spent in full: four offloads recomputed, 4060.4 -> 4004.0 us
-    predicted (docs/BENCHMARKS.md)."""
-    for t in sorted(t for t, how in best.schedule.decision.items() if how == "offload"):
-        tu = p.tensors[t]
-        if not tu.can_recompute:
-            continue
-        if tu.recompute.duration * sm_share(tu.recompute) < interference_ticks(p, {t: "offload"}):
-            out = run({**best.schedule.decision, t: "recompute"})
-            if out.fits:
-                best = out
-    return best
-
-
-def cheapest_cover(p: Problem, worst: tuple[int, set[int]], by_cost: list[int], chain_free: bool = False
-                   ) -> list[int]:
-    """The cheapest recomputations (`by_cost` order) that free what the cap forces away at its tightest cut
-    (`worst`: bounds.worst_cut, computed once for both covers): the integral start the memory_cut bound's
-    relaxation points at. `chain_free` skips those that read a chosen one or are read by one: a recomputation
-    that reads another recomputed tensor brings that one back with it, at the later one's backward use, and both
-    stay until the earlier one's readers run (ResNet-50 training b32 at 40% of its serial peak: the cover
-    recomputes layer3.1-3.4's block outputs together at layer4.0's backward, 85 MiB over, and no start fit;
-    without chains fit_cap ends at 9464.0 us, not 9676.0; at 30%, 13688.9, not 17652.0, and the 120-s plan runs
-    24.8% faster on the H100). It may then free less than the excess: offloads cover the rest."""
-    excess, away = worst
-    chosen, read, freed = [], set(), 0
-    for t in by_cost:
-        if freed >= excess:
-            break
-        reads = set(p.tensors[t].recompute_reads)
-        if t in away and not (chain_free and (reads & set(chosen) or t in read)):
-            chosen.append(t)
-            read |= reads
-            freed += p.tensors[t].bytes
-    return chosen
-
-
-RECOMPUTE_LIMITS = (0.0, 3.0, 5.0, 10.0, float("inf"))  # us per MiB: recompute every tensor at most this dear

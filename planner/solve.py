@@ -16,7 +16,8 @@ from planner.files import PlannerError
 from planner.bounds import lower_bounds_us, memory_lower_bound
 from planner.fuse import concat_view_candidates, concat_view_nodes, with_concat_views
 from planner.memsize import fmt_bytes
-from planner.heuristic import Work, baseline, cost, fit_cap, list_schedule
+from planner.decisions import fit_cap
+from planner.heuristic import Work, baseline, cost, list_schedule
 from planner.ir import Graph
 from planner.plan import Plan, Totals
 from planner.problem import Problem, build_problem
@@ -285,7 +286,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     offer_serial_form = p1 is not p and serial_plan is None
     work.bounded += len(p.ops) * offer_serial_form
     slack = fit_slack(p, options.streams, work)
-    refined = options.time_limit_s > 0  # the search follows the heuristic (heuristic.recompute_over_offload)
+    refined = options.time_limit_s > 0  # the search follows the heuristic (decisions.recompute_over_offload)
     first_s = None
     if on_progress and p1 is not p and not offer_serial_form:  # the serial plan is offered at the end (done)
         report = on_progress
@@ -591,7 +592,7 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
 
 
 def fit_slack(p: Problem, streams: int, work: Work | None = None) -> float:
-    """The slack of LIST_SLACKS whose list schedule without a cap is shortest: the one heuristic.fit_cap searches
+    """The slack of LIST_SLACKS whose list schedule without a cap is shortest: the one decisions.fit_cap searches
     its decisions at (GoogLeNet training b32 at 50%: 5462 us fitted at slack 1.0, 5110 us at 2.0)."""
     return min(LIST_SLACKS, key=lambda slack: (list_schedule(p, float("inf"), streams, {}, slack, work).makespan,
                                                slack))
@@ -599,7 +600,7 @@ def fit_slack(p: Problem, streams: int, work: Work | None = None) -> float:
 
 def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float, max_evals: int = FIT_EVALS,
                    work: Work | None = None, refined: bool = False) -> Schedule | None:
-    """The keep/offload/recompute decisions heuristic.fit_cap finds at `slack`, once for each of COPY_MARGINS,
+    """The keep/offload/recompute decisions decisions.fit_cap finds at `slack`, once for each of COPY_MARGINS,
     list-scheduled at each of LIST_SLACKS: the shortest that fits the cap (checked again on the schedule's own
     residencies), or None. Why the margin: copies run one at a time per direction, so when a plan's offloads
     nearly fill the copy engines, every late copy delays all later ones and the ops waiting for them

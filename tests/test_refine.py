@@ -11,7 +11,8 @@ from ortools.sat.python import cp_model
 
 from planner import refine as refine_module
 from planner.check import check_plan
-from planner.heuristic import cost, fit_cap, list_schedule, serial
+from planner.decisions import fit_cap
+from planner.heuristic import cost, list_schedule, serial
 from planner.plan import Totals
 from planner.refine import (WINDOW_DET_LEVELS, WINDOW_SIZES, Memory, add_window_resources, apply, items_of,
                             new_window, precedences, refine, solve_window, sweep)

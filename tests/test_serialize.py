@@ -11,7 +11,8 @@ from planner.analytic import estimate_profile
 from planner.bounds import memory_lower_bound
 from planner.check import check_plan
 from planner.devices import load_device
-from planner.heuristic import baseline, fastest_alternatives, fit_cap
+from planner.decisions import fit_cap
+from planner.heuristic import baseline, fastest_alternatives
 from planner.onnx_import import import_onnx
 from planner.plan import Totals
 from planner.problem import TensorUse, build_problem

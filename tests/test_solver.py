@@ -25,7 +25,8 @@ from planner.files import PlannerError, load_model
 from planner.ir import Graph
 from planner.memsize import parse_size, parse_sizes
 from planner.onnx_import import import_onnx
-from planner.heuristic import Work, baseline, cheapest_cover, cost, fit_cap, list_schedule, recompute_over_offload
+from planner.decisions import cheapest_cover, fit_cap, recompute_over_offload
+from planner.heuristic import Work, baseline, cost, list_schedule
 from planner.problem import Alternative, Op, Problem, TensorUse, build_problem
 from planner.schedule import peak_memory, residency, timed
 from planner.profile import Profile
@@ -552,6 +553,26 @@ def test_a_cover_without_recomputation_chains_starts_resnet50_at_40_percent():
     assert chained(cheapest_cover(p, worst, by_cost)) and not chained(cheapest_cover(p, worst, by_cost, chain_free=True))
     out = fit_cap(p, cap, 4, QUICK_EVALS, fit_slack(p, 4))
     assert out is not None and out.fits and cost(p, out.schedule) * p.tick_us < 20_000
+
+
+def test_fit_cap_repairs_the_start_closest_to_fitting(monkeypatch):
+    """GoogLeNet training b32 (concats as views, the shipped H100 profile) under 225 MiB, 35% of its serial peak:
+    no start fits. The one least over the cap is changed one decision at a time, and a recomputation that holds
+    what it reads through its reader's backward pass is swapped for an offload with what it read recomputed
+    (`_chain_swaps`); without the swap nothing fits within the first plan's evaluations."""
+    from planner import decisions
+    from planner.fuse import concat_view_candidates, with_concat_views
+
+    g = build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=32, dtype="fp16", training=True))
+    profile = load_model(Profile, Path(__file__).parent.parent / "profiles/googlenet.train.b32.fp16.json")
+    views = with_concat_views(g, concat_view_candidates(g))  # the graph the profile's hash is not of
+    p = build_problem(views, profile.model_copy(update={"graph_sha256": None}))
+    cap, slack = 225 * 2**20, fit_slack(p, 4)
+    out = fit_cap(p, cap, 4, QUICK_EVALS, slack)
+    assert out is not None and out.fits
+    assert peak_memory(p, out.schedule.decision, timed(p, out.schedule))[0] <= cap
+    monkeypatch.setattr(decisions, "_chain_swaps", lambda *args: [])
+    assert fit_cap(p, cap, 4, QUICK_EVALS, slack) is None
 
 
 def test_the_heuristic_searches_at_the_slack_whose_uncapped_schedule_is_shortest():

@@ -1,0 +1,157 @@
+"""Which saved tensors to keep, offload or recompute so that the list schedule fits the cap, as short as it can be
+found (`fit_cap`): CP-SAT's hint and the fallback when CP-SAT finds nothing better."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from planner.bounds import sm_share, worst_cut
+from planner.heuristic import Outcome, Work, cost, interference_ticks, list_schedule
+from planner.problem import Problem
+from planner.schedule import Decision, residency, timed
+
+
+def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slack: float = 1.0,
+            work: Work | None = None, refined: bool = False) -> Outcome | None:
+    """Keep/offload/recompute decisions that meet the cap with the shortest list schedule (at `slack`) found.
+
+    Starts: recompute the cheapest (per byte) that free the tightest cut's excess (`cheapest_cover`), the same
+    without recomputations that read one another (`chain_free`), or, for
+    each RECOMPUTE_LIMITS bound, every tensor that cheap; then offload the fewest other saved tensors, earliest
+    made first (their copies have the longest to hide in), that make the list schedule fit (bisection). The
+    shortest start is improved one decision at a time (keep, offload, recompute), kept when it still fits and
+    gets shorter; where none fits, the one least over the cap is, by changes that bring it closer (`_shortfall`:
+    only tensors on the device where it goes over, and `_chain_swaps`). Then, when the windows will `refine` the
+    schedule, offloads cheaper to recompute are recomputed (`recompute_over_offload`). Deterministic: a budget of
+    schedule evaluations, not of seconds.
+    """
+    evals = 0
+
+    def run(decision: dict[int, Decision]) -> Outcome:
+        nonlocal evals
+        evals += 1
+        return list_schedule(p, cap_bytes, streams, decision, slack, work)
+
+    closest = run({})
+    if closest.fits:
+        return closest
+    by_cost = sorted((t for t, tu in enumerate(p.tensors) if tu.can_recompute),
+                     key=lambda t: (p.tensors[t].recompute.time_us / p.tensors[t].bytes, t))
+    made = sorted((t for t, tu in enumerate(p.tensors) if tu.can_offload), key=lambda t: (p.tensors[t].producer or -1, t))
+    best = None
+    starts = [[t for t in by_cost if p.tensors[t].recompute.time_us / p.tensors[t].bytes * 2**20 <= limit]
+              for limit in RECOMPUTE_LIMITS]
+    worst = worst_cut(p, cap_bytes)
+    covers = [cheapest_cover(p, worst, by_cost, chain_free) for chain_free in (False, True)]
+    for recomputed in [*dict.fromkeys(tuple(c) for c in covers), *starts]:
+        decision: dict[int, Decision] = {t: "recompute" for t in recomputed}
+        order = [t for t in made if t not in decision]
+        lo, hi = 0, len(order)
+        while lo <= hi and evals < max_evals:
+            mid = (lo + hi) // 2
+            out = run({**decision, **{t: "offload" for t in order[:mid]}})
+            if out.fits:
+                hi = mid - 1
+                if best is None or cost(p, out.schedule) < cost(p, best.schedule):
+                    best = out
+            else:
+                lo = mid + 1
+                if _shortfall(p, out) < _shortfall(p, closest):
+                    closest = out
+    best = best or closest
+    improved = True
+    while improved and evals < max_evals:
+        improved = False
+        for t in range(len(p.tensors)) if best.fits else _resident_over(p, best):
+            tu = p.tensors[t]
+            for how in ("keep", "offload", "recompute") if tu.choosable else ():
+                if how == best.schedule.decision.get(t, "keep") or evals >= max_evals:
+                    continue
+                if how == "offload" and not tu.can_offload or how == "recompute" and not tu.can_recompute:
+                    continue
+                trial = {u: d for u, d in best.schedule.decision.items() if u != t}
+                if how != "keep":
+                    trial[t] = how
+                out = run(trial)
+                if _shortfall(p, out) < _shortfall(p, best):
+                    best, improved = out, True
+        for trial in _chain_swaps(p, best.schedule.decision, _resident_over(p, best)) if not best.fits else ():
+            if evals >= max_evals:
+                break
+            out = run(trial)
+            if _shortfall(p, out) < _shortfall(p, best):
+                best, improved = out, True
+                break
+    if not best.fits:
+        return None
+    return recompute_over_offload(p, best, run) if refined else best
+
+
+def _resident_over(p: Problem, out: Outcome) -> list[int]:
+    """The tensors on the device where `out`'s list schedule went over the cap: what a change must free to fit."""
+    residencies = residency(p, out.schedule.decision, timed(p, out.schedule))
+    return [t for t, spans in enumerate(residencies) if any(a <= at < b for a, b in spans for at in out.over_at)]
+
+
+def _chain_swaps(p: Problem, decision: dict[int, Decision], over: list[int]) -> list[dict[int, Decision]]:
+    """`decision` with a recomputed tensor offloaded instead and a tensor its recomputation reads recomputed, where
+    either is on the device where the cap is passed (`over`): a recomputation keeps what it reads on the device
+    from then to that tensor's own backward use, which neither change alone frees (GoogLeNet training b32 under
+    240 MiB: conv1's ReLU output recomputed from its convolution's output holds both through the ReLU's backward
+    pass, 15.8 MiB over; offloaded, with the convolution's output recomputed from the batch after that pass, it
+    fits)."""
+    return [{**decision, t: "offload", u: "recompute"} for t, how in sorted(decision.items())
+            if how == "recompute" and p.tensors[t].can_offload
+            for u in p.tensors[t].recompute_reads
+            if p.tensors[u].can_recompute and decision.get(u) != "recompute" and (t in over or u in over)]
+
+
+def _shortfall(p: Problem, out: Outcome) -> tuple[int, int, float]:
+    """How far a list schedule is from fitting, then its cost: bytes over the cap summed over the items that went
+    ahead over it, the most over at once, the cost. A fitting schedule is (0, 0, cost)."""
+    return out.overflow, out.over, cost(p, out.schedule)
+
+
+def recompute_over_offload(p: Problem, best: Outcome, run: Callable[[dict[int, Decision]], Outcome]) -> Outcome:
+    """`best` with each offload whose recomputation's SM work (time x SM share) is below the copies' interference
+    made a recomputation, where the list schedule still fits: the bound's LP prices the two so. The list schedule
+    puts a recomputation on the critical path, just before its reader, and prices it in full; the windows
+    (planner.refine) then hide it in SM gaps, where a copy back still binds the backward readers it feeds. Without
+    the windows the list schedule is the plan, and its price stands (GoogLeNet at 50%: 10 us longer).
+    GoogLeNet training b32 at 50%, the 120-s budget spent in full: four offloads recomputed, 4060.4 -> 4004.0 us
+    predicted (docs/BENCHMARKS.md)."""
+    for t in sorted(t for t, how in best.schedule.decision.items() if how == "offload"):
+        tu = p.tensors[t]
+        if not tu.can_recompute:
+            continue
+        if tu.recompute.duration * sm_share(tu.recompute) < interference_ticks(p, {t: "offload"}):
+            out = run({**best.schedule.decision, t: "recompute"})
+            if out.fits:
+                best = out
+    return best
+
+
+def cheapest_cover(p: Problem, worst: tuple[int, set[int]], by_cost: list[int], chain_free: bool = False
+                   ) -> list[int]:
+    """The cheapest recomputations (`by_cost` order) that free what the cap forces away at its tightest cut
+    (`worst`: bounds.worst_cut, computed once for both covers): the integral start the memory_cut bound's
+    relaxation points at. `chain_free` skips those that read a chosen one or are read by one: a recomputation
+    that reads another recomputed tensor brings that one back with it, at the later one's backward use, and both
+    stay until the earlier one's readers run (ResNet-50 training b32 at 40% of its serial peak: the cover
+    recomputes layer3.1-3.4's block outputs together at layer4.0's backward, 85 MiB over, and no start fit;
+    without chains fit_cap ends at 9464.0 us, not 9676.0; at 30%, 13688.9, not 17652.0, and the 120-s plan runs
+    24.8% faster on the H100). It may then free less than the excess: offloads cover the rest."""
+    excess, away = worst
+    chosen, read, freed = [], set(), 0
+    for t in by_cost:
+        if freed >= excess:
+            break
+        reads = set(p.tensors[t].recompute_reads)
+        if t in away and not (chain_free and (reads & set(chosen) or t in read)):
+            chosen.append(t)
+            read |= reads
+            freed += p.tensors[t].bytes
+    return chosen
+
+
+RECOMPUTE_LIMITS = (0.0, 3.0, 5.0, 10.0, float("inf"))  # us per MiB: recompute every tensor at most this dear
