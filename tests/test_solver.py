@@ -175,9 +175,10 @@ def test_the_leanest_heuristic_schedule_peaks_where_it_says():
     for seed in range(5):
         p = random_problem(random.Random(seed), n_ops=8, n_alts=2, training=True)
         serial = baseline(p)
-        schedule, peak = _leanest(p, 4, 0)
-        assert peak == peak_memory(p, schedule.decision, timed(p, schedule))[0]
-        assert peak <= peak_memory(p, serial.decision, timed(p, serial))[0]
+        found = _leanest(p, 4, 0)
+        assert found[0][0].start == serial.start
+        assert all(peak == peak_memory(p, schedule.decision, timed(p, schedule))[0] for schedule, peak in found)
+        assert [peak for _, peak in found] == sorted((peak for _, peak in found), reverse=True)
 
 
 def test_the_leanest_search_stops_at_its_wall_clock():
@@ -186,8 +187,8 @@ def test_the_leanest_search_stops_at_its_wall_clock():
     p = random_problem(random.Random(4), n_ops=8, n_alts=2, training=True)
     serial = baseline(p)
     serial_peak = peak_memory(p, serial.decision, timed(p, serial))[0]
-    schedule, peak = _leanest(p, 4, 0, until=0.0)
-    assert schedule.start == serial.start and peak == serial_peak > _leanest(p, 4, 0)[1]
+    ((schedule, peak),) = _leanest(p, 4, 0, until=0.0)
+    assert schedule.start == serial.start and peak == serial_peak > _leanest(p, 4, 0)[-1][1]
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +224,20 @@ def test_the_minimum_cap_covers_the_runners_arena(googlenet_train_b1):
     assert error.minimum_bytes == device_bytes(g, _plan_of(g, p, serial, peak, 4)) > peak
     assert str(error).startswith(f"no schedule fits; a cap of {error.minimum_bytes} bytes") and error.exit_code == 3
     assert "which the runner's arena lays out in that" in str(error)
+
+
+def test_exit_3_names_the_least_arena_of_the_schedules_found(googlenet_train_b1):
+    """Arenas lay peaks out with different gaps: the cap named is the least arena among the schedules the search
+    for the least peak found, not the leanest peak's."""
+    from planner.solve import _leanest, _plan_of, _with_arena
+    g = googlenet_train_b1
+    p = build_problem(g, estimate_profile(g, H100))
+    found = _leanest(p, 4, 0)
+    assert len(found) >= 2
+    arenas = [device_bytes(g, _plan_of(g, p, s, peak, 4)) for s, peak in found]
+    leanest, least = found[-1]
+    error = _with_arena(CapTooSmall("", least, leanest, verdict="no schedule fits", found=found), g, p, 4)
+    assert error.minimum_bytes == min(arenas) and error.schedule is found[arenas.index(min(arenas))][0]
 
 
 def test_the_cap_exit_3_says_works_solves():
