@@ -51,14 +51,14 @@ class Work:
 @dataclass
 class Outcome:
     """A list schedule and how well it met the cap: `over` is the most bytes above it at a start that had to
-    go ahead for lack of anything else to run (0: it fits), `stuck_at` the first such instant (ticks)."""
+    go ahead for lack of anything else to run (0: it fits), `overflow` those bytes summed over every such start,
+    `over_at` their instants (ticks)."""
 
     schedule: Schedule
     makespan: int
     over: int = 0
-    stuck_at: int = -1
-    overflow: int = 0  # the bytes over the cap summed over the items that went ahead over it
-    over_at: list[int] = field(default_factory=list)  # the instants they went ahead
+    overflow: int = 0
+    over_at: list[int] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -130,7 +130,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             succs[a].append(b)
     first_left, second_left = _residency_counts(p, decision, rec)
     used = p.resident_bytes + sum(tu.bytes for tu in tensors if tu.producer is None)
-    over, stuck_at, overflow, over_at = 0, -1, 0, []
+    over, overflow, over_at = 0, 0, []
     allocated: set[int] = set()  # tensors some writer has allocated (a concat_view's output has several)
     s = Schedule(alt=[0] * n, start=[0] * n, decision=dict(decision), status="list")
     start, choice = [0] * len(jobs), [0] * len(jobs)
@@ -239,9 +239,9 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
                     launch(j, a)
                 else:
                     prefetch(False, False)
-                over, stuck_at = max(over, used - cap_bytes), now if stuck_at < 0 else stuck_at
-                overflow += max(0, used - cap_bytes)
-                over_at.append(now)
+                if used > cap_bytes:
+                    over, overflow = max(over, used - cap_bytes), overflow + used - cap_bytes
+                    over_at.append(now)
         events = [e for e, _ in running] + [c[0] for c in (d2h_busy, h2d_busy) if c]
         if not events:
             break
@@ -250,7 +250,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
         work.jobs += len(jobs)
     s.alt, s.start = choice[:n], start[:n]
     s.recompute_start = {t: start[n + k] for k, t in enumerate(rec)}
-    return Outcome(s, s.makespan(p), over, stuck_at, overflow, over_at)
+    return Outcome(s, s.makespan(p), over, overflow, over_at)
 
 
 def _within_slack(alts: list[Alternative], slack: float) -> list[int]:
