@@ -39,11 +39,13 @@ def baseline(p: Problem) -> Schedule:
 @dataclass
 class Work:
     """What the heuristic has done, in units that do not depend on the machine or its load: jobs list-scheduled,
-    ops laid out in arenas, ops of problems set up (built) and bounded. A time limit charges it by those counts
-    (solve.charged_s), so that the search after it gets the same seconds on every run."""
+    ops laid out in arenas (and placed again in the arena's rounds past its orders), ops of problems set up
+    (built) and bounded. A time limit charges it by those counts (solve.charged_s), so that the search after it
+    gets the same seconds on every run."""
 
     jobs: int = 0
     layouts: int = 0
+    placed: int = 0
     setups: int = 0
     bounded: int = 0
 

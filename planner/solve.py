@@ -45,6 +45,8 @@ FIT_SHARE = 0.25  # under a time limit, that second fit_cap may take this share 
 # and 0.11-0.22 ms, the most taken; docs/BENCHMARKS.md):
 LIST_S_PER_JOB = 30e-6  # a job list-scheduled (with the rest of the heuristic's Python around it)
 LAYOUT_S_PER_OP = 2.3e-4  # an op of a plan built and laid out until a placement order fits the cap (fits_device)
+PLACE_S_PER_OP = 8e-5  # an op of a plan placed again in a round past the orders (arena.placements; 0.05 s a round
+# on GoogLeNet training b32's 636 ops)
 SETUP_S_PER_OP = 2e-4  # an op of a problem built
 BOUND_S_PER_OP = 3.5e-3  # an op of a problem bounded (lower_bounds_us under a cap, chain_fill's LPs included)
 CPSAT_WALL_PER_DET = 7.5  # wall seconds per deterministic second of CP-SAT on a whole model (`_search`)
@@ -69,11 +71,14 @@ def serial_device_bytes(graph: Graph, profile: Profile) -> int:
     return device_bytes(graph, solve_plan(graph, profile, profile.device.memory_bytes, Options(baseline=True)))
 
 
-def fits_device(graph: Graph, plan: Plan, cap_bytes: int) -> bool:
-    """device_bytes(graph, plan) <= cap_bytes, sooner."""
-    from runner.arena import fits_device as arena_fits_device
+def fits_device(graph: Graph, plan: Plan, cap_bytes: int, work: Work | None = None) -> bool:
+    """device_bytes(graph, plan) <= cap_bytes, sooner; `work` counts the placements past the arena's orders."""
+    from runner.arena import PLACEMENT_ORDERS, placements_to_fit
 
-    return arena_fits_device(graph, plan, cap_bytes)
+    fits, tried = placements_to_fit(graph, plan, cap_bytes)
+    if work is not None:
+        work.placed += len(plan.ops) * max(0, tried - len(PLACEMENT_ORDERS))
+    return fits
 
 
 class CapTooSmall(PlannerError):
@@ -215,7 +220,8 @@ def _list_schedule_us(graph: Graph, profile: Profile, options: Options, work: Wo
 def charged_s(work: Work) -> float:
     """The seconds the heuristic's work takes on the development machine, by its counts: what the time limit
     charges for it, the same on every run (a wall clock would make plans depend on the machine's load)."""
-    return (work.jobs * LIST_S_PER_JOB + work.layouts * LAYOUT_S_PER_OP + work.setups * SETUP_S_PER_OP
+    return (work.jobs * LIST_S_PER_JOB + work.layouts * LAYOUT_S_PER_OP + work.placed * PLACE_S_PER_OP
+            + work.setups * SETUP_S_PER_OP
             + work.bounded * BOUND_S_PER_OP)
 
 
@@ -274,7 +280,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
 
     def fits(plan: Plan) -> bool:
         work.layouts += len(p.ops)
-        return fits_device(graph, plan, cap_bytes)
+        return fits_device(graph, plan, cap_bytes, work)
 
     # under the user's cap, not the arena's target; with a search to come, the first plan reports the quick ones
     # and the search all (`final`), so that the first plan comes sooner

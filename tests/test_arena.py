@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.files import PlannerError
-from runner.arena import ALIGN_BYTES, Block, aligned, assign_offsets, check_offsets, first_over, peak_live_bytes
+from runner.arena import (ALIGN_BYTES, PLACEMENT_ORDERS, Block, _first_fit, aligned, assign_offsets, check_offsets,
+                          first_over, peak_live_bytes)
 
 
 def test_chain_reuses_memory():
@@ -32,6 +33,18 @@ def test_a_flatter_lifetime_weight_packs_what_the_other_orders_fragment():
     blocks = [Block("a", 6 * u, 1, 4), Block("b", 6 * u, 7, 8), Block("c", 5 * u, 6, 10), Block("d", 4 * u, 0, 7)]
     _, arena = assign_offsets(blocks)
     assert arena == peak_live_bytes(blocks) == 11 * u
+
+
+def test_rounds_past_the_orders_pack_what_every_order_fragments():
+    """In 256-B units. Every order places b (8) and c (6) at 0, a (5), live with b, on it at 8, and d (5), live
+    with a and c, on a at 13: 18. The rounds raise d, the block above the live-bytes bound, until it goes before
+    c: d at 0 beside b in time, c on d at 5, a on b at 8: 13, the bound."""
+    u = ALIGN_BYTES
+    blocks = [Block("a", 5 * u, 2, 7), Block("b", 8 * u, 0, 5), Block("c", 6 * u, 7, 12), Block("d", 5 * u, 6, 10)]
+    assert all(_first_fit(blocks, order)[1] == 18 * u for order in PLACEMENT_ORDERS)
+    offsets, arena = assign_offsets(blocks)
+    assert arena == peak_live_bytes(blocks) == 13 * u
+    assert offsets == {"a": 8 * u, "b": 0, "c": 5 * u, "d": 0}
 
 
 def test_sizes_are_aligned():
