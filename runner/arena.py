@@ -79,23 +79,19 @@ def _overlaps(blocks: list[Block]) -> dict[str, list[Block]]:
     return out
 
 
-def _first_fit(blocks: list[Block], order, overlaps: dict[str, list[Block]] | None = None
-               ) -> tuple[dict[str, int], int]:
-    overlaps = overlaps if overlaps is not None else _overlaps(blocks)
+def _first_fit(blocks: list[Block], order, overlaps: dict[str, list[Block]]) -> tuple[dict[str, int], int]:
     offsets: dict[str, int] = {}
-    top = 0
+    ends: dict[str, int] = {}  # offset + aligned size of each placed block
     for block in sorted(blocks, key=order):
         size = aligned(block.size_bytes)
-        busy = sorted((offsets[o.name], offsets[o.name] + aligned(o.size_bytes))
-                      for o in overlaps[block.name] if o.name in offsets)
+        busy = sorted((offsets[o.name], ends[o.name]) for o in overlaps[block.name] if o.name in offsets)
         offset = 0
         for lo, hi in busy:
             if offset + size <= lo:
                 break
             offset = max(offset, hi)
-        offsets[block.name] = offset
-        top = max(top, offset + size)
-    return offsets, top
+        offsets[block.name], ends[block.name] = offset, offset + size
+    return offsets, max(ends.values(), default=0)
 
 
 def placements(blocks: list[Block]) -> Iterator[tuple[dict[str, int], int]]:
@@ -113,8 +109,6 @@ def placements(blocks: list[Block]) -> Iterator[tuple[dict[str, int], int]]:
             return
         if best is None or arena < best[1]:
             best = offsets, arena, order
-    if best is None:
-        return
     offsets, _, order = best
     ranked = sorted(blocks, key=order)
     priority = {b.name: float(len(ranked) - k) for k, b in enumerate(ranked)}
@@ -178,12 +172,10 @@ def first_over(blocks: list[Block], offsets: dict[str, int], limit_bytes: int) -
 
 def check_offsets(blocks: list[Block], offsets: dict[str, int]) -> None:
     """No two blocks live at the same time share a byte."""
-    by_start = sorted(blocks, key=lambda b: b.start)
-    for i, a in enumerate(by_start):
-        for b in by_start[i + 1:]:
-            if b.start >= a.end:
-                break
-            if offsets[a.name] < offsets[b.name] + b.size_bytes and offsets[b.name] < offsets[a.name] + a.size_bytes:
+    overlaps = _overlaps(blocks)
+    for a in sorted(blocks, key=lambda b: b.start):
+        for b in overlaps[a.name]:
+            if _share_bytes(a, b, offsets):
                 raise PlannerError(f"arena overlap: {a.name!r} and {b.name!r} share memory while both are live "
                                    f"(from {max(a.start, b.start)})")
 

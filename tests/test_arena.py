@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.files import PlannerError
-from runner.arena import (ALIGN_BYTES, PLACEMENT_ORDERS, Block, _first_fit, aligned, assign_offsets, check_offsets,
-                          first_over, peak_live_bytes)
+from runner.arena import (ALIGN_BYTES, PLACEMENT_ORDERS, Block, _first_fit, _overlaps, aligned, assign_offsets,
+                          check_offsets, first_over, peak_live_bytes)
 
 
 def test_chain_reuses_memory():
@@ -41,7 +41,7 @@ def test_rounds_past_the_orders_pack_what_every_order_fragments():
     c: d at 0 beside b in time, c on d at 5, a on b at 8: 13, the bound."""
     u = ALIGN_BYTES
     blocks = [Block("a", 5 * u, 2, 7), Block("b", 8 * u, 0, 5), Block("c", 6 * u, 7, 12), Block("d", 5 * u, 6, 10)]
-    assert all(_first_fit(blocks, order)[1] == 18 * u for order in PLACEMENT_ORDERS)
+    assert all(_first_fit(blocks, order, _overlaps(blocks))[1] == 18 * u for order in PLACEMENT_ORDERS)
     offsets, arena = assign_offsets(blocks)
     assert arena == peak_live_bytes(blocks) == 13 * u
     assert offsets == {"a": 8 * u, "b": 0, "c": 5 * u, "d": 0}
