@@ -31,6 +31,7 @@ from typing import Callable
 import numpy as np
 
 from planner.chain_fill import LP, Filler, add_chain_fill, longest_path
+from planner.memory_floor import memory_floor
 from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
 
 Rate = Callable[[Alternative], float]  # an alternative's share of the GPU per us it runs
@@ -313,16 +314,21 @@ def disjunctive_us(dag: Dag) -> float:
 
 def memory_lower_bound(p: Problem) -> tuple[int, str]:
     """(bytes, op): what the op that needs most holds on the device while it runs, in any schedule: the resident
-    bytes, the tensors it reads and writes, its leanest workspace, and, when every path passes through it (`Cut`),
-    every tensor made before it and read after it that can neither be offloaded nor recomputed."""
+    bytes, the tensors it reads and writes, its leanest workspace, and the tensors that must stay while it runs:
+    where every path passes through it (`Cut`), every tensor made before it and read after it that can neither be
+    offloaded nor recomputed; anywhere, those its minimum cut splits (`planner.memory_floor`)."""
     best, where = p.resident_bytes, ""
     dag = Dag.of(p)
-    cut_at = {dag.order[c.v]: c for c in cuts(p, dag, dag.ancestors())}
+    anc = dag.ancestors()
+    cut_at = {dag.order[c.v]: c for c in cuts(p, dag, anc)}
     for i, o in enumerate(p.ops):
         need = cut_at[i].held_bytes if i in cut_at else p.resident_bytes + sum(
             p.tensors[t].bytes for t in set(o.reads) | set(o.writes)) + min(a.workspace_bytes for a in o.alternatives)
         if need > best:
             best, where = need, o.name
+    split, op = memory_floor(p, dag.order, anc, best)
+    if op >= 0:
+        best, where = split, p.ops[op].name
     return best, where
 
 

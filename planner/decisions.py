@@ -12,7 +12,7 @@ from planner.schedule import Decision, residency, timed
 
 
 def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slack: float = 1.0,
-            work: Work | None = None, refined: bool = False) -> Outcome | None:
+            work: Work | None = None, refined: bool = False, reserve: bool = False) -> Outcome | None:
     """Keep/offload/recompute decisions that meet the cap with the shortest list schedule (at `slack`) found.
 
     Starts: recompute the cheapest (per byte) that free the tightest cut's excess (`cheapest_cover`), the same
@@ -30,7 +30,7 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = 400, slac
     def run(decision: dict[int, Decision]) -> Outcome:
         nonlocal evals
         evals += 1
-        return list_schedule(p, cap_bytes, streams, decision, slack, work)
+        return list_schedule(p, cap_bytes, streams, decision, slack, work, reserve)
 
     closest = run({})
     if closest.fits:

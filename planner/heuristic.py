@@ -61,6 +61,7 @@ class Outcome:
     over: int = 0
     overflow: int = 0
     over_at: list[int] = field(default_factory=list)
+    reserve: bool = False  # list-scheduled with prefetches leaving room for the jobs before their readers
 
     @property
     def fits(self) -> bool:
@@ -68,12 +69,14 @@ class Outcome:
 
 
 def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, Decision], slack: float = 1.0,
-                  work: Work | None = None) -> Outcome:
+                  work: Work | None = None, reserve: bool = False) -> Outcome:
     """Several streams and copy engines under the memory cap (parallel schedule generation, event by event).
 
     At each instant, in order: finished items free what they held; the next offload starts on the d2h engine
     (tensors in the order their producers end); the next prefetch on the h2d engine (in the order the backward
-    pass needs them) once its reader is about PREFETCH_HEADROOM copy-durations away and it fits; then the
+    pass needs them) once its reader is about PREFETCH_HEADROOM copy-durations away and it fits (with `reserve`,
+    beside what every unstarted job with a longer tail than its readers' allocates: a prefetch that takes the
+    room the backward chain needs next sends that chain over the cap once nothing else runs); then the
     ready ops and recomputations, longest path to the end first, each with its fastest alternative within
     `slack` that fits the free SM share and DRAM bandwidth, a stream, and memory. What does not fit waits for
     memory to be freed; only when nothing is running does the most urgent item go ahead over the cap (recorded
@@ -140,6 +143,23 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
     h2d_queue = sorted(off, key=lambda t: -max(tail[c] for c in needers[t]))
     d2h_busy = h2d_busy = None  # (end, tensor) of the copy in flight
     d2h_done: set[int] = set()
+    by_tail = sorted(range(len(jobs)), key=lambda j: -tail[j]) if reserve else []
+    started = [False] * len(jobs)
+    top = 0  # by_tail[:top] have all started
+
+    def reserved(reader_tail: int) -> int:
+        """What the unstarted jobs with a tail above `reader_tail` allocate (outputs, leanest workspace): the room
+        a prefetch for a reader with that tail leaves them."""
+        nonlocal top
+        while top < len(by_tail) and started[by_tail[top]]:
+            top += 1
+        room = 0
+        for j in by_tail[top:]:
+            if tail[j] <= reader_tail:
+                break
+            if not started[j]:
+                room += made_bytes[j] + min(a.workspace_bytes for a in jobs[j])
+        return room
     running: list[tuple[int, int]] = []  # (end, job)
     ready = [j for j in range(len(jobs)) if not blocked[j] and not gate[j]]
     now, sm_used, dram_used, finished = 0, 0, 0, 0
@@ -161,6 +181,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
         nonlocal used, sm_used, dram_used
         alt = jobs[j][a]
         start[j], choice[j] = now, a
+        started[j] = True
         running.append((now + alt.duration, j))
         sm_used += alt.sm_demand
         dram_used += alt.dram_demand
@@ -215,6 +236,8 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             soon = front - max(tail[c] for c in needers[t]) <= PREFETCH_HEADROOM * tensors[t].h2d_ticks
             if (timely and not soon) or (fits and used + tensors[t].bytes > cap_bytes):
                 return False
+            if reserve and timely and used + tensors[t].bytes + reserved(max(tail[c] for c in needers[t])) > cap_bytes:
+                return False
             h2d_queue.pop(0)
             s.h2d_start[t], h2d_busy = now, (now + tensors[t].h2d_ticks, t)
             used += tensors[t].bytes
@@ -252,7 +275,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
         work.jobs += len(jobs)
     s.alt, s.start = choice[:n], start[:n]
     s.recompute_start = {t: start[n + k] for k, t in enumerate(rec)}
-    return Outcome(s, s.makespan(p), over, overflow, over_at)
+    return Outcome(s, s.makespan(p), over, overflow, over_at, reserve)
 
 
 def _within_slack(alts: list[Alternative], slack: float) -> list[int]:

@@ -264,8 +264,8 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     if cap_bytes < need:
         raise CapTooSmall(f"the cap {fmt_bytes(cap_bytes)} is below the {fmt_bytes(need)} any schedule needs "
                           f"(resident {fmt_bytes(p.resident_bytes)}, plus what op {op} reads, writes, its "
-                          f"leanest workspace and, if every path passes through it, the tensors that must stay "
-                          f"while it runs); minimum cap: {need} bytes", need, floor_bytes=need)
+                          f"leanest workspace and the tensors that must stay while it runs, whichever ops run "
+                          f"before it); minimum cap: {need} bytes", need, floor_bytes=need)
     if options.baseline:
         if base_peak > cap_bytes:
             raise CapTooSmall(f"the serial baseline needs {fmt_bytes(base_peak)}, over the cap "
@@ -622,12 +622,14 @@ def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float, max_e
     (ResNet-50 training b32 at 50%, measured on H100: the prefetch chain ran 0.2-0.9 ms behind its prediction).
     Decisions chosen with dearer copies offload less (there: 138 MiB instead of 187 MiB, 0.3% shorter predicted)."""
     best = None
-    for margin in COPY_MARGINS:
-        fitted = fit_cap(with_copy_margin(p, margin), cap_bytes, streams, max_evals, slack, work, refined)
+    for margin, reserve in [(m, False) for m in COPY_MARGINS] + [(1.0, True)]:
+        if reserve and best is not None:
+            break
+        fitted = fit_cap(with_copy_margin(p, margin), cap_bytes, streams, max_evals, slack, work, refined, reserve)
         if fitted is None:
             continue
         for other in LIST_SLACKS:
-            out = list_schedule(p, cap_bytes, streams, fitted.schedule.decision, other, work)
+            out = list_schedule(p, cap_bytes, streams, fitted.schedule.decision, other, work, fitted.reserve)
             if out.fits and (best is None or cost(p, out.schedule) < cost(p, best.schedule)):
                 if peak_memory(p, out.schedule.decision, timed(p, out.schedule))[0] <= cap_bytes:
                     best = out

@@ -6,9 +6,9 @@ import random
 from dataclasses import replace
 
 import pytest
-from test_solver import H100, brute_force_makespan, chain_problem, random_problem, solve_tiny
+from test_solver import H100, brute_force_makespan, chain_problem, random_problem, solve_tiny, sum_problem
 
-from planner import solve
+from planner import cpsat, solve
 from planner.bounds import (Dag, head_tail_us, heads_tails_us, lower_bounds_us, memory_lower_bound,
                             segment_heads_tails, separators)
 from planner.heuristic import list_schedule
@@ -227,3 +227,25 @@ def test_the_minimum_cap_counts_what_a_cut_must_hold():
     assert memory_lower_bound(p) == (50 + 2000, "f1")
     p.tensors[0].can_offload = False
     assert memory_lower_bound(p) == (50 + 3000, "f2")
+
+
+def test_the_minimum_cap_counts_what_waits_across_an_op_whichever_side_the_ops_beside_it_run():
+    """At s: its two inputs and its output (2000) and, w running before or after it, x (1000) or g's output (500)
+    held across it: 2550, where what s reads and writes alone gives 2050; CP-SAT's least peak is 2560 (w's
+    output beside x and g's)."""
+    p = sum_problem()
+    assert memory_lower_bound(p) == (50 + 2500, "s")
+    least = cpsat.solve(p, 10**6, 4, 40, 5.0, 2, minimize_memory=True)
+    assert least.status == "OPTIMAL" and least.peak_bytes == 2560
+
+
+@pytest.mark.parametrize("seed", [7, 18, 26, 0])
+def test_the_minimum_cap_is_at_most_every_schedules_peak(seed):
+    """Random training DAGs (the first three where the minimum cut says more than each op alone): the floor is
+    never above the peak of the leanest schedule CP-SAT finds, nor of the heuristic's list schedule."""
+    p = random_problem(random.Random(seed), n_ops=8, n_alts=2, training=True)
+    floor = memory_lower_bound(p)[0]
+    least = cpsat.solve(p, 10**7, 4, 100, 0.3, 2, minimize_memory=True)
+    assert least.schedule is not None and floor <= least.peak_bytes
+    keep_all = list_schedule(p, float("inf"), 4, {}).schedule
+    assert floor <= peak_memory(p, {}, timed(p, keep_all))[0]

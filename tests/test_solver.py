@@ -441,6 +441,41 @@ def chain_problem(depth: int) -> Problem:
     return Problem("chain", True, ops, tensors, resident_bytes=50, tick_us=1.0, device=H100, estimated=True)
 
 
+def sum_problem() -> Problem:
+    """The backward pass where two gradient parts are summed (ResNet-50's block inputs): f saves x (1000 bytes,
+    offloadable) for the weight gradient w and the ReLU gradient r; g makes the gradient part w also reads (500),
+    d the other part (1000), s their sum (1000). Whichever side of s w runs on, something waits across s: x, back
+    for w before s and read by r after it, or g's output, kept for w after it."""
+    alt = [Alternative("a", 4, 4, 0, 100)]
+    ops = [Op("f", "relu", "forward", alt, []), Op("g", "relu", "backward", alt, [0]),
+           Op("d", "relu", "backward", alt, [1]), Op("s", "relu", "backward", alt, [2]),
+           Op("r", "relu", "backward", alt, [3]), Op("w", "relu", "backward", alt, [1])]
+    tensors = [TensorUse("x", 1000, 0, [], [4, 5], False, can_offload=True, d2h_ticks=2, h2d_ticks=2, d2h_us=2.0,
+                         h2d_us=2.0),
+               TensorUse("g", 500, 1, [2, 5], [], False), TensorUse("d", 1000, 2, [3], [], False),
+               TensorUse("s", 1000, 3, [4], [], False), TensorUse("r", 100, 4, [], [], True),
+               TensorUse("w", 10, 5, [], [], True)]
+    for t_i, t in enumerate(tensors):
+        ops[t.producer].writes.append(t_i)
+        for c in t.early + t.late:
+            ops[c].reads.append(t_i)
+    return Problem("sum", True, ops, tensors, resident_bytes=50, tick_us=1.0, device=H100, estimated=True)
+
+
+def test_a_prefetch_leaves_room_for_the_jobs_before_its_readers():
+    """Prefetched while d runs, x lets w go before s, and s then goes over any cap under 3100; leaving room for
+    the jobs ahead of x's readers (`reserve`), the list schedule runs w after s and fits the least cap CP-SAT
+    finds (2560), and best_heuristic falls back on it where the plain list schedules do not fit."""
+    p = sum_problem()
+    assert not list_schedule(p, 3000, 4, {0: "offload"}).fits
+    reserved = list_schedule(p, 2560, 4, {0: "offload"}, reserve=True)
+    assert reserved.fits and reserved.reserve
+    assert peak_memory(p, reserved.schedule.decision, timed(p, reserved.schedule))[0] == 2560
+    assert fit_cap(p, 2560, 4) is None and fit_cap(p, 2560, 4, reserve=True).fits
+    found = best_heuristic(p, 2560, 4, 1.0)
+    assert found is not None and peak_memory(p, found.decision, timed(p, found))[0] <= 2560
+
+
 @pytest.mark.parametrize("depth,cap", [(6, 3500), (6, 2600), (10, 4000)])
 def test_a_cap_below_keeping_everything_offloads_or_recomputes_and_checks(depth, cap):
     p = chain_problem(depth)
