@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 from planner import serialize
 from planner.files import PlannerError
@@ -345,8 +345,11 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         if hint is not None and fits(first(cap_bytes, hint)):
             return done(final(cap_bytes, hint))
 
+    overflowed: list[tuple[Schedule, int]] = []  # heuristic schedules whose arenas passed the cap, with peaks
+
     def arena_fit(start_bytes: int, max_evals: int) -> tuple[int, Schedule | None, int]:
-        return _arena_fit(graph, p, cap_bytes, start_bytes, options.streams, slack, max_evals, fits, work, refined)
+        return _arena_fit(graph, p, cap_bytes, start_bytes, options.streams, slack, max_evals, fits, work, refined,
+                          overflowed)
 
     before_s, start_bytes = charged_s(work), solver_cap(graph, p.resident_bytes, cap_bytes)
     target, hint, tries = arena_fit(start_bytes, QUICK_EVALS)
@@ -361,7 +364,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     try:
         plan = final(target, hint)
     except CapTooSmall as e:
-        raise _with_arena(e, graph, p, options.streams) from None
+        raise _with_arena(e, graph, p, options.streams, overflowed) from None
     if hint is None and not fits(plan):
         need = device_bytes(graph, plan)
         raise CapTooSmall(f"CP-SAT's plan peaks under the cap {fmt_bytes(cap_bytes)} but its arena needs "
@@ -372,14 +375,18 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     return done(plan)
 
 
-def _with_arena(e: CapTooSmall, graph: Graph, p: Problem, streams: int) -> CapTooSmall:
+def _with_arena(e: CapTooSmall, graph: Graph, p: Problem, streams: int,
+                overflowed: Sequence[tuple[Schedule, int]] = ()) -> CapTooSmall:
     """The error with the cap the runner needs: the least arena among the schedules found (the arena lays a peak
     out with gaps, more for some schedules than others: GoogLeNet training b32, the leanest peak found, 207.52 MiB,
-    needs 238.00 MiB, one peaking at 210.02 MiB 216.00)."""
-    if e.schedule is None:
+    needs 238.00 MiB, one peaking at 210.02 MiB 216.00), the search for the least peak's and those whose arenas
+    passed the cap (`overflowed`: ResNet-50 training b32 under 395 MiB, the least peak's search named 430 MiB,
+    one of those, peaking at 391.59 MiB, 408; a plan solves there)."""
+    if e.schedule is None and not (overflowed and e.verdict):
         return e
     need = schedule = peak = None
-    for found, found_peak in sorted(e.found or [(e.schedule, e.minimum_bytes)], key=lambda f: f[1]):
+    found_before = e.found or ([(e.schedule, e.minimum_bytes)] if e.schedule is not None else [])
+    for found, found_peak in sorted([*found_before, *overflowed], key=lambda f: f[1]):
         if need is not None and found_peak >= need:
             break  # no arena is smaller than its peak
         found_need = device_bytes(graph, _plan_of(graph, p, found, found_peak, streams))
@@ -478,8 +485,8 @@ def fit_evals(limit_s: float, charged: float, quick_s: float) -> int:
 
 
 def _arena_fit(graph: Graph, p: Problem, cap_bytes: int, start_bytes: int, streams: int, slack: float,
-               max_evals: int, fits: Callable[[Plan], bool], work: Work, refined: bool
-               ) -> tuple[int, Schedule | None, int]:
+               max_evals: int, fits: Callable[[Plan], bool], work: Work, refined: bool,
+               overflowed: list[tuple[Schedule, int]] | None = None) -> tuple[int, Schedule | None, int]:
     """(solver cap, schedule, caps tried): the largest solver cap, stepping down from `start_bytes`, whose
     heuristic plan (fit_cap with `max_evals`) the runner can lay out within the user's cap: placement leaves gaps
     (3-5% over the peak on capped training plans, more as offloads multiply), so a plan whose peak meets the cap
@@ -493,6 +500,8 @@ def _arena_fit(graph: Graph, p: Problem, cap_bytes: int, start_bytes: int, strea
             return cap_bytes, None, k + 1
         if fits(_plan_of(graph, p, hint, target, streams)):
             return target, hint, k + 1
+        if overflowed is not None:
+            overflowed.append((hint, peak_memory(p, hint.decision, timed(p, hint))[0]))
     return cap_bytes, None, ARENA_STEPS  # no heuristic plan fits: CP-SAT alone, or the computed minimum cap
 
 

@@ -240,6 +240,24 @@ def test_exit_3_names_the_least_arena_of_the_schedules_found(googlenet_train_b1)
     assert error.minimum_bytes == min(arenas) and error.schedule is found[arenas.index(min(arenas))][0]
 
 
+def test_exit_3_also_weighs_the_schedules_whose_arenas_passed_the_cap(googlenet_train_b1):
+    """The heuristic's schedules the arena fit stepped past (their arenas over the user's cap) are schedules
+    too: where one's arena is less than every schedule the search for the least peak found, exit 3 names it;
+    without a search verdict (time limit 0) the error stays as it was."""
+    from planner.solve import _leanest, _plan_of, _with_arena
+    g = googlenet_train_b1
+    p = build_problem(g, estimate_profile(g, H100))
+    found = _leanest(p, 4, 0)
+    arenas = [device_bytes(g, _plan_of(g, p, s, peak, 4)) for s, peak in found]
+    serial, serial_peak = found[0]
+    only_serial = CapTooSmall("", serial_peak, serial, verdict="no schedule fits", found=found[:1])
+    error = _with_arena(only_serial, g, p, 4, overflowed=found[1:])
+    assert error.minimum_bytes == min(arenas) < arenas[0]
+    assert error.schedule is found[arenas.index(min(arenas))][0]
+    unsearched = CapTooSmall("the heuristic found no schedule", 0)
+    assert _with_arena(unsearched, g, p, 4, overflowed=found[1:]) is unsearched
+
+
 def test_the_cap_exit_3_says_works_solves():
     """The cap exit 3 names is one to pass to --mem: the arena of its schedule, not that schedule's peak (GoogLeNet
     training b32 said 257.31 MiB, the peak, and failed again at it; the arena, 266.00 MiB, solves)."""
