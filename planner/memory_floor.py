@@ -9,7 +9,7 @@ resident bytes, v's tensors and leanest workspace, and every other tensor the sp
 one of the closed ones, so at least the least of them: a minimum s-t cut, each tensor a hyperedge (two nodes
 joined by an arc of its bytes, its holders tied to them by infinite arcs), each dependency an infinite arc.
 
-Op by op (what v reads and writes alone) gives ResNet-50 training b32 342.64 MiB; the cut gives 391.39 MiB, at
+Op by op (what v reads and writes alone) gives ResNet-50 training b32 342.64 MiB; the cut gives 391.40 MiB, at
 the sum of layer1.2's output gradient: its two 49-MiB parts and their sum, and either layer1.2's output, back
 for layer2.0's weight gradients run before the sum and read again by the ReLU's gradient after it, or those
 weight gradients' 24.5-MiB inputs, kept for after.
