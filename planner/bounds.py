@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 
 from planner.chain_fill import LP, Filler, add_chain_fill, longest_path
-from planner.memory_floor import memory_floor
+from planner.memory_floor import memory_floor, own_bytes
 from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
 
 Rate = Callable[[Alternative], float]  # an alternative's share of the GPU per us it runs
@@ -322,8 +322,7 @@ def memory_lower_bound(p: Problem) -> tuple[int, str]:
     anc = dag.ancestors()
     cut_at = {dag.order[c.v]: c for c in cuts(p, dag, anc)}
     for i, o in enumerate(p.ops):
-        need = cut_at[i].held_bytes if i in cut_at else p.resident_bytes + sum(
-            p.tensors[t].bytes for t in set(o.reads) | set(o.writes)) + min(a.workspace_bytes for a in o.alternatives)
+        need = cut_at[i].held_bytes if i in cut_at else p.resident_bytes + own_bytes(p, i)
         if need > best:
             best, where = need, o.name
     split, op = memory_floor(p, dag.order, anc, best)

@@ -144,12 +144,14 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
     d2h_busy = h2d_busy = None  # (end, tensor) of the copy in flight
     d2h_done: set[int] = set()
     by_tail = sorted(range(len(jobs)), key=lambda j: -tail[j]) if reserve else []
+    allocates = ([made_bytes[j] + min(a.workspace_bytes for a in jobs[j]) for j in range(len(jobs))] if reserve
+                 else [])  # outputs and leanest workspace, what `reserved` leaves room for
     started = [False] * len(jobs)
     top = 0  # by_tail[:top] have all started
 
     def reserved(reader_tail: int) -> int:
-        """What the unstarted jobs with a tail above `reader_tail` allocate (outputs, leanest workspace): the room
-        a prefetch for a reader with that tail leaves them."""
+        """What the unstarted jobs with a tail above `reader_tail` allocate: the room a prefetch for a reader with
+        that tail leaves them."""
         nonlocal top
         while top < len(by_tail) and started[by_tail[top]]:
             top += 1
@@ -158,7 +160,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             if tail[j] <= reader_tail:
                 break
             if not started[j]:
-                room += made_bytes[j] + min(a.workspace_bytes for a in jobs[j])
+                room += allocates[j]
         return room
     running: list[tuple[int, int]] = []  # (end, job)
     ready = [j for j in range(len(jobs)) if not blocked[j] and not gate[j]]
@@ -233,10 +235,11 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             if h2d_busy is not None or not h2d_queue or h2d_queue[0] not in d2h_done or forward_left:
                 return False
             t = h2d_queue[0]
-            soon = front - max(tail[c] for c in needers[t]) <= PREFETCH_HEADROOM * tensors[t].h2d_ticks
+            reader_tail = max(tail[c] for c in needers[t])
+            soon = front - reader_tail <= PREFETCH_HEADROOM * tensors[t].h2d_ticks
             if (timely and not soon) or (fits and used + tensors[t].bytes > cap_bytes):
                 return False
-            if reserve and timely and used + tensors[t].bytes + reserved(max(tail[c] for c in needers[t])) > cap_bytes:
+            if reserve and timely and used + tensors[t].bytes + reserved(reader_tail) > cap_bytes:
                 return False
             h2d_queue.pop(0)
             s.h2d_start[t], h2d_busy = now, (now + tensors[t].h2d_ticks, t)

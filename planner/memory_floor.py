@@ -56,7 +56,7 @@ def memory_floor(p: Problem, order: list[int], anc: np.ndarray, known_bytes: int
         edge_of.setdefault(t, []).append(k)
     own = [sorted({k for t in set(p.ops[order[v]].reads) | set(p.ops[order[v]].writes) for k in edge_of.get(t, [])})
            for v in range(n)]
-    base = [p.resident_bytes + _own_bytes(p, order[v]) for v in range(n)]
+    base = [p.resident_bytes + own_bytes(p, order[v]) for v in range(n)]
     most = [base[v] + unit * min(int(units[split[:, v]].sum() - units[own[v]][split[own[v], v]].sum())
                                  for split in (all_after, all_before)) for v in range(n)]
     arcs = _arcs(p, order, pos, edges, units)
@@ -70,7 +70,9 @@ def memory_floor(p: Problem, order: list[int], anc: np.ndarray, known_bytes: int
     return best, where
 
 
-def _own_bytes(p: Problem, op: int) -> int:
+def own_bytes(p: Problem, op: int) -> int:
+    """What op holds itself while it runs, in any schedule: the tensors it reads and writes, its leanest
+    workspace."""
     o = p.ops[op]
     return sum(p.tensors[t].bytes for t in set(o.reads) | set(o.writes)) + min(a.workspace_bytes
                                                                                 for a in o.alternatives)
