@@ -361,6 +361,8 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         fuller_target, fuller, _ = arena_fit(target if hint else start_bytes, evals)
         if fuller is not None and (hint is None or cost(p, fuller) <= cost(p, hint)):
             target, hint = fuller_target, fuller
+            if first_s is None:  # the quick heuristic fitted nothing: this is the first valid plan
+                first(target, hint)
     try:
         plan = final(target, hint)
     except CapTooSmall as e:

@@ -699,6 +699,25 @@ def test_the_first_valid_plan_is_handed_on_before_the_search_ends(googlenet_trai
     assert plan.totals.predicted_us <= first.totals.predicted_us
 
 
+def test_the_fuller_heuristic_hands_on_the_first_plan_where_the_quick_one_fits_nothing(googlenet_train_b1,
+                                                                                       monkeypatch):
+    """Near the memory floor the quick heuristic (QUICK_EVALS) may fit nothing where the fuller one does
+    (ResNet-50 training b32 under 395 MiB): its plan is then the first valid one, not the searched plan at the
+    end (there 151 s after the start of a 120-s solve)."""
+    g = googlenet_train_b1
+    prof = estimate_profile(g, H100)
+    resident = build_problem(g, prof).resident_bytes
+    cap = resident + int((serial_peak_bytes(g) - resident) * 0.8)
+    from planner import solve
+
+    monkeypatch.setattr(solve, "QUICK_EVALS", 1)  # one evaluation: the plain list schedule, over the cap
+    firsts = []
+    plan = solve_plan(g, prof, cap, Options(time_limit_s=0, concat="copy"), on_plan=firsts.append)
+    assert len(firsts) == 1
+    assert check_plan(firsts[0]).ok and device_bytes(g, firsts[0]) <= cap
+    assert firsts[0].totals.predicted_us == plan.totals.predicted_us
+
+
 def test_the_first_plan_reports_the_quick_bounds_and_the_searched_plan_every_bound(googlenet_train_b1):
     """With a search to come, the first plan is handed on before the bounds that solve linear programs are
     computed; the searched plan reports them, as a plan of the heuristic alone does."""
