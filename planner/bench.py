@@ -258,7 +258,8 @@ def _require_gpu():
 def _bench_config(graph: Graph, device, s: Settings, with_torch: bool, console: Console,
                   notes: list[str]) -> list[BenchRow]:
     """One configuration: our two plans (and the PyTorch peers) built, warmed, interleaved, released."""
-    from planner.solve import CapTooSmall, Options, solve_plan
+    from planner.minimum_cap import CapTooSmall
+    from planner.solve import Options, solve_plan
 
     label = f"{graph.model_name} b{graph.batch} {graph.dtype} {'train' if graph.training else 'infer'}"
     profile = _measured_profile(graph, s.store, device, console)

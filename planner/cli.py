@@ -227,7 +227,7 @@ def solve(
 ):
     """Choose algorithms, streams, offloads and recomputations under a memory cap with CP-SAT."""
     from planner.memsize import parse_sizes
-    from planner.solve import Options, serial_device_bytes, solve_plan
+    from planner.solve import Options, serial_device_bytes
     from planner.stats import serial_peak_bytes
 
     graph = load_graph(model, batch, dtype, train)
@@ -258,7 +258,7 @@ def solve(
     if len(caps) > 1:
         _print_tradeoff(rows, graph, png)
     if all(p is None for _, p in rows):
-        from planner.solve import CapTooSmall
+        from planner.minimum_cap import CapTooSmall
 
         raise CapTooSmall("no cap of the sweep can be met", 0)
 
@@ -268,7 +268,8 @@ def _solve_one(graph, prof, cap: int, options, sweeping: bool, target: Path):
     interrupted solve leaves a plan (the caller writes the final one)."""
     from rich.live import Live
 
-    from planner.solve import CapTooSmall, solve_plan
+    from planner.minimum_cap import CapTooSmall
+    from planner.solve import solve_plan
 
     status = Text(f"solving at cap {fmt_bytes(cap)}: building the model…")
     written: list[float] = []

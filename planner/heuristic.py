@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
-from planner.schedule import Decision, Schedule
+from planner.schedule import Decision, Schedule, peak_memory, timed
 
 PREFETCH_HEADROOM = 2.0  # issue a prefetch this many copy-durations of compute before its first use
 
@@ -36,11 +36,18 @@ def baseline(p: Problem) -> Schedule:
     return s
 
 
+def serial_baseline(p: Problem) -> tuple[Schedule, float, int]:
+    """The framework-style schedule (serial, fastest algorithm, everything kept), its makespan and peak bytes."""
+    base = baseline(p)
+    return (base, sum(o.alternatives[a].time_us for o, a in zip(p.ops, base.alt)),
+            peak_memory(p, base.decision, timed(p, base))[0])
+
+
 @dataclass
 class Work:
     """What the heuristic has done, in units that do not depend on the machine or its load: jobs list-scheduled,
     ops laid out in arenas (and placed again in the arena's rounds past its orders), ops of problems set up
-    (built) and bounded. A time limit charges it by those counts (solve.charged_s), so that the search after it
+    (built) and bounded. A time limit charges it by those counts (budget.charged_s), so that the search after it
     gets the same seconds on every run."""
 
     jobs: int = 0

@@ -111,3 +111,10 @@ def peak_memory(p: Problem, decision: dict[int, Decision], tm: Timed) -> tuple[i
         if live > peak:
             peak, at = live, instant
     return peak, at
+
+
+def loose_horizon(p: Problem) -> int:
+    """Every op, copy and recomputation one after another at its slowest: no optimal schedule is longer."""
+    total = sum(max(a.duration for a in o.alternatives) for o in p.ops)
+    total += sum(t.d2h_ticks + t.h2d_ticks + (t.recompute.duration if t.recompute else 0) for t in p.tensors)
+    return total

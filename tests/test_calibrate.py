@@ -242,12 +242,13 @@ def test_solve_offers_the_serial_plan_when_running_side_by_side_is_priced_dearer
 def test_where_the_serial_plans_arena_passes_the_cap_its_serial_form_is_offered(offloading):
     """A cap at the serial plan's peak, under the arena it takes (driver pages): the serial baseline does not fit,
     the search's plan in serial form does, and with running side by side priced dear it is the answer."""
-    from planner.solve import _baseline, serial_device_bytes
+    from planner.heuristic import serial_baseline
+    from planner.solve import serial_device_bytes
 
     g, prof, _, _ = offloading
     dear = prof.model_copy(deep=True)
     dear.device.dispatch_us["training"], dear.device.one_stream_dispatch_us["training"] = 40.0, 0.0
-    serial_peak = _baseline(build_problem(g, dear, streams=1))[2]
+    serial_peak = serial_baseline(build_problem(g, dear, streams=1))[2]
     assert serial_peak < serial_device_bytes(g, dear)
     plan = solve_plan(g, dear, serial_peak, Options(time_limit_s=0, concat="copy"))
     assert plan.compute_streams == 1 and "the plan's serial form" in plan.totals.status

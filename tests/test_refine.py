@@ -17,7 +17,7 @@ from planner.plan import Totals
 from planner.refine import (WINDOW_DET_LEVELS, WINDOW_SIZES, Memory, add_window_resources, apply, items_of,
                             new_window, precedences, refine, solve_window, sweep)
 from planner.schedule import peak_memory, timed
-from planner.solve import best_heuristic, fit_slack
+from planner.decisions import best_heuristic, fit_slack
 from planner.streams import build_plan
 from planner.window_memory import add_window_memory, residencies
 from test_solver import EMPTY, brute_force_makespan, chain_problem, random_problem

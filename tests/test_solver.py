@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import re
@@ -30,9 +29,12 @@ from planner.heuristic import Work, baseline, cost, list_schedule
 from planner.problem import Alternative, Op, Problem, TensorUse, build_problem
 from planner.schedule import peak_memory, residency, timed
 from planner.profile import Profile
-from planner.solve import (ARENA_STEP, FIT_EVALS, FIT_SHARE, LIST_S_PER_JOB, LIST_SLACKS, QUICK_EVALS, CapTooSmall,
-                           Options, _arena_fit, best_heuristic, charged_s, device_bytes, fit_evals, fit_slack,
-                           fits_device, solve_plan, solver_cap, with_copy_margin)
+from planner.arena_fit import ARENA_STEP, arena_fit, device_bytes, fits_device, plan_of, solver_cap
+from planner.budget import LIST_S_PER_JOB, charged_s
+from planner.decisions import FIT_EVALS, LIST_SLACKS, QUICK_EVALS, best_heuristic, fit_slack, with_copy_margin
+from planner.minimum_cap import (CapTooSmall, cap_too_small, copied_unsearched, either_way, leanest_schedules,
+                                 with_arena)
+from planner.solve import FIT_SHARE, Options, fit_evals, solve_plan
 from planner.stats import serial_peak_bytes
 from planner.streams import build_plan
 from planner.training import build_training
@@ -78,26 +80,35 @@ def random_problem(rng: random.Random, n_ops: int, n_alts: int, training: bool =
 
 def brute_force_makespan(p: Problem, streams: int) -> int:
     """Optimal makespan with SM share and stream count (memory ample): every alternative per op and every
-    activity list, each scheduled by the serial schedule-generation scheme (active schedules hold an optimum)."""
+    activity list, each scheduled by the serial schedule-generation scheme (active schedules hold an optimum).
+    Depth first over the lists' prefixes, which they share, and cut where the prefix already ends no sooner than
+    the best found: the makespan only grows as ops are placed."""
     best = 1 << 60
-    orders = [order for order in itertools.permutations(range(len(p.ops)))
-              if all(order.index(a) < order.index(b) for b, op in enumerate(p.ops) for a in op.preds)]
-    for alt in itertools.product(*(range(len(o.alternatives)) for o in p.ops)):
-        for order in orders:
-            placed: list[tuple[int, int, int]] = []  # (start, end, sm)
-            end = [0] * len(p.ops)
-            for i in order:
-                a = p.ops[i].alternatives[alt[i]]
-                earliest = max((end[j] for j in p.ops[i].preds), default=0)
-                for t in sorted({earliest, *(e for _, e, _ in placed if e >= earliest)}):
-                    over = [(s, e, sm) for s, e, sm in placed if s < t + a.duration and t < e]
-                    points = {t, *(s for s, _, _ in over if s > t)}
-                    if all(sum(sm for s, e, sm in over if s <= x < e) + a.sm_demand <= 100
-                           and sum(1 for s, e, _ in over if s <= x < e) < streams for x in points):
-                        break
-                placed.append((t, t + a.duration, a.sm_demand))
-                end[i] = t + a.duration
-            best = min(best, max(end))
+
+    def place(a: Alternative, earliest: int, placed: list[tuple[int, int, int]]) -> int:
+        for t in sorted({earliest, *(e for _, e, _ in placed if e >= earliest)}):
+            over = [(s, e, sm) for s, e, sm in placed if s < t + a.duration and t < e]
+            points = {t, *(s for s, _, _ in over if s > t)}
+            if all(sum(sm for s, e, sm in over if s <= x < e) + a.sm_demand <= 100
+                   and sum(1 for s, e, _ in over if s <= x < e) < streams for x in points):
+                return t
+        raise AssertionError("an op fits after every placed one ends")
+
+    def extend(placed: list[tuple[int, int, int]], end: dict[int, int]) -> None:
+        nonlocal best
+        if len(end) == len(p.ops):
+            best = min(best, max(end.values()))
+            return
+        for i, op in enumerate(p.ops):
+            if i in end or any(j not in end for j in op.preds):
+                continue
+            earliest = max((end[j] for j in op.preds), default=0)
+            for a in op.alternatives:
+                t = place(a, earliest, placed)
+                if max(t + a.duration, *end.values(), 0) < best:
+                    extend([*placed, (t, t + a.duration, a.sm_demand)], {**end, i: t + a.duration})
+
+    extend([], {})
     return best
 
 
@@ -143,7 +154,7 @@ def test_random_plans_pass_the_independent_check(seed):
     rng = random.Random(100 + seed)
     p = random_problem(rng, n_ops=rng.randint(6, 12), n_alts=rng.randint(1, 3), training=bool(seed % 2))
     free = solve_tiny(p, 1 << 40, 4).schedule
-    from planner.schedule import peak_memory, residency, timed
+    from planner.schedule import peak_memory, timed
     uncapped_peak = peak_memory(p, {}, timed(p, free))[0]
     cap = max(int(uncapped_peak * rng.uniform(0.6, 1.0)), 1)
     result = solve_tiny(p, cap, rng.randint(1, 4))
@@ -161,8 +172,7 @@ def test_random_plans_pass_the_independent_check(seed):
 
 def test_minimum_cap_is_the_smallest_that_works():
     p = random_problem(random.Random(7), n_ops=8, n_alts=2, training=True)
-    from planner.solve import _cap_too_small
-    error = _cap_too_small(p, 1, Options(time_limit_s=10, workers=2), "INFEASIBLE")
+    error = cap_too_small(p, 1, Options(time_limit_s=10, workers=2), "INFEASIBLE")
     minimum = error.minimum_bytes
     assert "minimum cap" in str(error)
     assert peak_memory(p, error.schedule.decision, timed(p, error.schedule))[0] == minimum
@@ -171,11 +181,10 @@ def test_minimum_cap_is_the_smallest_that_works():
 
 
 def test_the_leanest_heuristic_schedule_peaks_where_it_says():
-    from planner.solve import _leanest
     for seed in range(5):
         p = random_problem(random.Random(seed), n_ops=8, n_alts=2, training=True)
         serial = baseline(p)
-        found = _leanest(p, 4, 0)
+        found = leanest_schedules(p, 4, 0)
         assert found[0][0].start == serial.start
         assert all(peak == peak_memory(p, schedule.decision, timed(p, schedule))[0] for schedule, peak in found)
         assert [peak for _, peak in found] == sorted((peak for _, peak in found), reverse=True)
@@ -183,12 +192,11 @@ def test_the_leanest_heuristic_schedule_peaks_where_it_says():
 
 def test_the_leanest_search_stops_at_its_wall_clock():
     """Past `until` no cap is tried: the serial schedule and its peak come back, where the search finds less."""
-    from planner.solve import _leanest
     p = random_problem(random.Random(4), n_ops=8, n_alts=2, training=True)
     serial = baseline(p)
     serial_peak = peak_memory(p, serial.decision, timed(p, serial))[0]
-    ((schedule, peak),) = _leanest(p, 4, 0, until=0.0)
-    assert schedule.start == serial.start and peak == serial_peak > _leanest(p, 4, 0)[-1][1]
+    ((schedule, peak),) = leanest_schedules(p, 4, 0, until=0.0)
+    assert schedule.start == serial.start and peak == serial_peak > leanest_schedules(p, 4, 0)[-1][1]
 
 
 @pytest.fixture(scope="module")
@@ -206,22 +214,20 @@ def test_offloading_a_graph_input_copies_it_back_only():
     assert batch.d2h_us == 0 and batch.d2h_ticks == 1 < batch.h2d_ticks  # one tick: the least an item lasts
     saved = [t for t in p.tensors if t.can_offload and t.writers]
     assert saved and all(t.d2h_ticks == t.h2d_ticks > 1 for t in saved)
-    from planner.solve import _plan_of
     cap = serial_peak_bytes(g)
     schedule = list_schedule(p, cap, 4, {p.tensors.index(batch): "offload"}).schedule
-    plan = _plan_of(g, p, schedule, cap, 4)
+    plan = plan_of(g, p, schedule, cap, 4)
     (out,) = [c for c in plan.copies if c.tensor == batch.name and c.direction == "d2h"]
     assert out.end_us == out.start_us and check_plan(plan).ok
 
 
 def test_the_minimum_cap_covers_the_runners_arena(googlenet_train_b1):
-    from planner.solve import _plan_of, _with_arena
     g = googlenet_train_b1
     p = build_problem(g, estimate_profile(g, H100))
     serial = baseline(p)
     peak = peak_memory(p, serial.decision, timed(p, serial))[0]
-    error = _with_arena(CapTooSmall("no schedule fits", peak, serial, verdict="no schedule fits"), g, p, 4)
-    assert error.minimum_bytes == device_bytes(g, _plan_of(g, p, serial, peak, 4)) > peak
+    error = with_arena(CapTooSmall("no schedule fits", peak, serial, verdict="no schedule fits"), g, p, 4)
+    assert error.minimum_bytes == device_bytes(g, plan_of(g, p, serial, peak, 4)) > peak
     assert str(error).startswith(f"no schedule fits; a cap of {error.minimum_bytes} bytes") and error.exit_code == 3
     assert "which the runner's arena lays out in that" in str(error)
 
@@ -229,14 +235,13 @@ def test_the_minimum_cap_covers_the_runners_arena(googlenet_train_b1):
 def test_exit_3_names_the_least_arena_of_the_schedules_found(googlenet_train_b1):
     """Arenas lay peaks out with different gaps: the cap named is the least arena among the schedules the search
     for the least peak found, not the leanest peak's."""
-    from planner.solve import _leanest, _plan_of, _with_arena
     g = googlenet_train_b1
     p = build_problem(g, estimate_profile(g, H100))
-    found = _leanest(p, 4, 0)
+    found = leanest_schedules(p, 4, 0)
     assert len(found) >= 2
-    arenas = [device_bytes(g, _plan_of(g, p, s, peak, 4)) for s, peak in found]
+    arenas = [device_bytes(g, plan_of(g, p, s, peak, 4)) for s, peak in found]
     leanest, least = found[-1]
-    error = _with_arena(CapTooSmall("", least, leanest, verdict="no schedule fits", found=found), g, p, 4)
+    error = with_arena(CapTooSmall("", least, leanest, verdict="no schedule fits", found=found), g, p, 4)
     assert error.minimum_bytes == min(arenas) and error.schedule is found[arenas.index(min(arenas))][0]
 
 
@@ -244,18 +249,17 @@ def test_exit_3_also_weighs_the_schedules_whose_arenas_passed_the_cap(googlenet_
     """The heuristic's schedules the arena fit stepped past (their arenas over the user's cap) are schedules
     too: where one's arena is less than every schedule the search for the least peak found, exit 3 names it;
     without a search verdict (time limit 0) the error stays as it was."""
-    from planner.solve import _leanest, _plan_of, _with_arena
     g = googlenet_train_b1
     p = build_problem(g, estimate_profile(g, H100))
-    found = _leanest(p, 4, 0)
-    arenas = [device_bytes(g, _plan_of(g, p, s, peak, 4)) for s, peak in found]
+    found = leanest_schedules(p, 4, 0)
+    arenas = [device_bytes(g, plan_of(g, p, s, peak, 4)) for s, peak in found]
     serial, serial_peak = found[0]
     only_serial = CapTooSmall("", serial_peak, serial, verdict="no schedule fits", found=found[:1])
-    error = _with_arena(only_serial, g, p, 4, overflowed=found[1:])
+    error = with_arena(only_serial, g, p, 4, overflowed=found[1:])
     assert error.minimum_bytes == min(arenas) < arenas[0]
     assert error.schedule is found[arenas.index(min(arenas))][0]
     unsearched = CapTooSmall("the heuristic found no schedule", 0)
-    assert _with_arena(unsearched, g, p, 4, overflowed=found[1:]) is unsearched
+    assert with_arena(unsearched, g, p, 4, overflowed=found[1:]) is unsearched
 
 
 def test_the_cap_exit_3_says_works_solves():
@@ -335,29 +339,27 @@ assert not any(m.startswith("ortools") for m in sys.modules), "OR-Tools imported
 def test_of_two_ways_exit_3_takes_the_lesser_cap_shown_to_work_and_the_lesser_floor():
     """Concats as views and copied: a cap a schedule was found at beats a mere floor, even a lower one, and where
     the other way's floor is lower the answer says so."""
-    from planner.solve import _either
     serial = baseline(random_problem(random.Random(0), n_ops=4, n_alts=1))
     views_floor = CapTooSmall("below the floor", 900, None, 900)
     copied_found = CapTooSmall("works at 2000", 2000, serial, 800)
-    assert _either(views_floor, copied_found) is copied_found  # its floor is the lower: nothing to add
+    assert either_way(views_floor, copied_found) is copied_found  # its floor is the lower: nothing to add
     views_found = CapTooSmall("works at 1500", 1500, serial, 1000)
-    either = _either(views_found, copied_found)
+    either = either_way(views_found, copied_found)
     assert (either.minimum_bytes, either.schedule, either.floor_bytes) == (1500, serial, 800)
     assert str(either).startswith("works at 1500") and "with the concats copied none below" in str(either)
-    assert _either(views_floor, CapTooSmall("below its floor", 950, None, 950)) is views_floor
+    assert either_way(views_floor, CapTooSmall("below its floor", 950, None, 950)) is views_floor
 
 
 def test_exit_3_says_where_the_copied_way_was_not_searched(googlenet_train_b1):
     """Past the time limit the copied way is not searched: the views' answer stands where the copied floor
     is no lower than the cap it found, and says what the copied floor allows where it is."""
-    from planner.solve import _copied_unsearched
     copied = build_problem(googlenet_train_b1, estimate_profile(googlenet_train_b1, H100))
     floor = memory_lower_bound(copied)[0]
     serial = baseline(copied)
     stands = CapTooSmall("works at the floor", floor, serial, floor)
-    assert _copied_unsearched(stands, copied) is stands
+    assert copied_unsearched(stands, copied) is stands
     above = CapTooSmall("works above", floor + 100, serial, floor + 50)
-    unsearched = _copied_unsearched(above, copied)
+    unsearched = copied_unsearched(above, copied)
     assert (unsearched.minimum_bytes, unsearched.floor_bytes) == (floor + 100, floor)
     assert "not searched in the time limit (none of theirs needs less than" in str(unsearched)
 
@@ -792,7 +794,7 @@ def test_the_arena_fit_counts_the_caps_it_tried(googlenet_train_b1):
         laid_out.append(plan.totals.mem_cap_bytes)
         return len(laid_out) == 3
 
-    target, hint, tries = _arena_fit(g, p, cap, cap, 4, 1.0, QUICK_EVALS, fits_third, Work(), False)
+    target, hint, tries = arena_fit(g, p, cap, cap, 4, 1.0, QUICK_EVALS, fits_third, Work(), False)
     assert hint is not None and tries == 3 == len(laid_out)
     assert target == laid_out[-1] == cap - int(2 * ARENA_STEP * (cap - p.resident_bytes))
 
@@ -853,7 +855,6 @@ def test_a_deterministic_solve_ends_where_cp_sat_runs_away(monkeypatch):
 def test_exit_3_says_when_the_runaway_guard_ended_its_search(monkeypatch):
     """The peak-minimising search behind exit 3 has the same guard, and its answer says so."""
     from ortools.sat.python import cp_model
-    from planner.solve import _cap_too_small
 
     solve = cp_model.CpSolver.solve
 
@@ -865,7 +866,7 @@ def test_exit_3_says_when_the_runaway_guard_ended_its_search(monkeypatch):
     monkeypatch.setattr(cp_model.CpSolver, "solve", runaway)
     p = random_problem(random.Random(7), n_ops=8, n_alts=2, training=True)
     options = Options(time_limit_s=10, workers=1, deterministic=True)
-    error = _cap_too_small(p, 1, options, "UNKNOWN", deadline=time.monotonic() + 1)
+    error = cap_too_small(p, 1, options, "UNKNOWN", deadline=time.monotonic() + 1)
     assert str(error).endswith("(CP-SAT overran its deterministic limit): the answer may differ between runs")
     assert error.schedule is not None
 
