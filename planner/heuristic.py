@@ -105,6 +105,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
                 needers[u].append(job_of[t])
     tail = _tails(p, jobs, preds, rec, needers)
     by_speed = [_within_slack(alts, slack) for alts in jobs]
+    first_workspace = [alts[0].workspace_bytes for alts in jobs]  # ranks the ready jobs (below)
     made_bytes = [sum(tensors[t].bytes for t in op.writes if len(tensors[t].writers) == 1) for op in p.ops]
     made_bytes += [tensors[t].bytes for t in rec]
     shared = [[t for t in op.writes if len(tensors[t].writers) > 1] for op in p.ops] + [[] for _ in rec]
@@ -114,6 +115,8 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
     def fresh(j: int) -> int:
         """Bytes job j allocates when it starts besides its workspace: what it writes (but not a tensor another
         writer already allocated) or recomputes."""
+        if not shared[j]:
+            return made_bytes[j]
         return made_bytes[j] + sum(tensors[t].bytes for t in shared[j] if t not in allocated)
 
     def freed(j: int) -> int:
@@ -235,16 +238,20 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
             t = d2h_queue.pop(0)
             s.d2h_start[t] = now
             d2h_busy = (now + tensors[t].d2h_ticks, t)
-        front = max([tail[j] - (now - start[j]) for _, j in running] + [tail[j] for j in ready], default=0)
 
         def prefetch(timely: bool, fits: bool) -> bool:
+            """The next copy back, if it fits; a timely one only once the front (the longest tail still to run,
+            measured where the event starts: timely prefetches come first in it) is near its reader's tail."""
             nonlocal used, h2d_busy
             if h2d_busy is not None or not h2d_queue or h2d_queue[0] not in d2h_done or forward_left:
                 return False
             t = h2d_queue[0]
             reader_tail = max(tail[c] for c in needers[t])
-            soon = front - reader_tail <= PREFETCH_HEADROOM * tensors[t].h2d_ticks
-            if (timely and not soon) or (fits and used + tensors[t].bytes > cap_bytes):
+            if timely:
+                front = max([tail[j] - (now - start[j]) for _, j in running] + [tail[j] for j in ready], default=0)
+                if front - reader_tail > PREFETCH_HEADROOM * tensors[t].h2d_ticks:
+                    return False
+            if fits and used + tensors[t].bytes > cap_bytes:
                 return False
             if reserve and timely and used + tensors[t].bytes + reserved(reader_tail) > cap_bytes:
                 return False
@@ -255,7 +262,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
 
         prefetch(True, True)
         if len(ready) > 1:
-            ready.sort(key=lambda j: (jobs[j][0].workspace_bytes + fresh(j) > freed(j), -tail[j], j))
+            ready.sort(key=lambda j: (first_workspace[j] + fresh(j) > freed(j), -tail[j], j))
         for j in list(ready):
             if len(running) >= streams:
                 break
