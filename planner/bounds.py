@@ -1,4 +1,4 @@
-"""Lower bounds on the iteration time of every schedule of a Problem, and on the memory every schedule needs.
+"""Lower bounds on the iteration time of every schedule of a Problem (under a cap, with planner.memory_bounds).
 
 A schedule runs each op once, on one of its alternatives, after its preds end; at most `streams` ops run at once,
 their sm_demand summing to at most SM_CAPACITY (and, with --dram, their dram_demand to DRAM_CAPACITY). Copies and
@@ -16,95 +16,26 @@ makespan); `head_tail` combines them all and is the strongest without a cap:
                  (`planner.chain_fill`, an LP)
   memory_cut     C + copy interference >= heads, tails and SM work (on the strongest cuts, the chain and its
                  fillers) plus what sending the bytes a cap forces off the device at a cut op costs at least (an
-                 LP; under a cap only)
+                 LP; under a cap only; `planner.memory_bounds`)
 
 Window bounds: every op of a set S that runs within a window of length L gives L >= sum over S of base weights
 + the heaviest chain in S of chain weights (`Window`). Rates make the base weights (`rates`), big ops and
-chains make the others (`clique_window`, `fill_window`).
+chains make the others (`clique_window`, `fill_window`). The DAG and the rates are in planner.dag.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import numpy as np
 
-from planner.chain_fill import LP, Filler, add_chain_fill, longest_path
-from planner.memory_floor import memory_floor, own_bytes
-from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
+from planner.chain_fill import LP, add_chain_fill, chain_and_fillers
+from planner.dag import Dag, dram_share, rates, sm_share
+from planner.memory_bounds import memory_cut_us
+from planner.problem import SM_CAPACITY, Problem
 
-Rate = Callable[[Alternative], float]  # an alternative's share of the GPU per us it runs
 Window = tuple[np.ndarray, np.ndarray | None]  # (base weight per op, chain weight per op or None), in us
-DFF_EPSILONS = (10, 20, 30, 40, 50)  # `dff` thresholds, in SM_CAPACITY units
 CLIQUE_THETAS = (1, 5, 20, 50)  # `clique_window` thresholds, in SM_CAPACITY units
-CHAIN_FILL_CUTS = 2  # cuts whose memory_cut also takes `chain_fill`'s rows (the strongest; each ~0.5 s on ResNet-50)
 CHAIN_CELLS = 1 << 23  # cells of chain matrices `heads_us` keeps (64 MiB): all five up to ~1300 ops
 SEGMENT_OPS = 64  # segments up to this size get head_tail and chain_fill of their own (an inception block: 19 ops)
-SINK = Alternative("sink", 0.0, 0, 0, 0)
-
-
-@dataclass
-class Dag:
-    """The ops' precedence DAG in topological order, with each op's alternatives."""
-
-    preds: list[list[int]]
-    alts: list[list[Alternative]]
-    order: list[int] | None = None  # the Problem's op at each position (Dag.of)
-
-    @classmethod
-    def of(cls, p: Problem) -> Dag:
-        order = _topological([o.preds for o in p.ops])
-        index = {op: k for k, op in enumerate(order)}
-        return cls([sorted(index[u] for u in p.ops[op].preds) for op in order],
-                   [p.ops[op].alternatives for op in order], order)
-
-    def reversed(self) -> Dag:
-        """Every edge turned around (tails of this DAG are heads of that one); op i becomes n - 1 - i."""
-        n = len(self.preds)
-        succs: list[list[int]] = [[] for _ in range(n)]
-        for v, preds in enumerate(self.preds):
-            for u in preds:
-                succs[u].append(v)
-        return Dag([sorted(n - 1 - s for s in succs[n - 1 - i]) for i in range(n)], self.alts[::-1])
-
-    def with_sink(self) -> Dag:
-        """A zero-length op after all others: its head bounds the makespan."""
-        ends = set(range(len(self.preds))) - {u for preds in self.preds for u in preds}
-        return Dag(self.preds + [sorted(ends)], self.alts + [[SINK]])
-
-    def fastest_us(self) -> np.ndarray:
-        return np.array([min(a.time_us for a in alts) for alts in self.alts])
-
-    def least(self, rate: Rate) -> np.ndarray:
-        """Per op, min over alternatives of time_us x rate: its least share-weighted time."""
-        return np.array([min(a.time_us * rate(a) for a in alts) for alts in self.alts])
-
-    def ancestors(self) -> np.ndarray:
-        """anc[v, u]: u must end before v starts."""
-        n = len(self.preds)
-        anc = np.zeros((n, n), dtype=bool)
-        for v, preds in enumerate(self.preds):
-            for u in preds:
-                anc[v] |= anc[u]
-                anc[v, u] = True
-        return anc
-
-
-def _topological(preds: list[list[int]]) -> list[int]:
-    """Ops in an order where each comes after its preds (the identity when they already are)."""
-    if all(u < v for v, ps in enumerate(preds) for u in ps):
-        return list(range(len(preds)))
-    order, placed = [], [False] * len(preds)
-    while len(order) < len(preds):
-        before = len(order)
-        for v, ps in enumerate(preds):
-            if not placed[v] and all(placed[u] for u in ps):
-                placed[v] = True
-                order.append(v)
-        if len(order) == before:
-            raise ValueError("the ops' dependencies form a cycle")
-    return order
 
 
 def lower_bounds_us(p: Problem, streams: int, cap_bytes: int | None = None, quick: bool = False
@@ -131,30 +62,6 @@ def lower_bounds_us(p: Problem, streams: int, cap_bytes: int | None = None, quic
         if cap_bytes is not None and any(t.choosable for t in p.tensors):
             bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, anc, heads, tails, streams, dram)
     return bounds
-
-
-def sm_share(a: Alternative) -> float:
-    return a.sm_demand / SM_CAPACITY
-
-
-def dram_share(a: Alternative) -> float:
-    return a.dram_demand / DRAM_CAPACITY
-
-
-def dff(eps: int) -> Rate:
-    """A dual-feasible function of the SM share: above 100 - eps counts 1, below eps 0, else the share itself.
-    Its sum over running ops is <= 1: beside an op above 100 - eps only ops below eps fit, which count 0."""
-    def rate(a: Alternative) -> float:
-        s = a.sm_demand
-        return 1.0 if s > SM_CAPACITY - eps else s / SM_CAPACITY if s >= eps else 0.0
-    return rate
-
-
-def rates(streams: int, dram: bool) -> list[Rate]:
-    """Rates whose sum over the ops running at any instant is at most 1, so that ops run within a window of
-    length L have L >= sum of min_a time_us x rate(a): the SM share; one stream slot, 1 / streams (at most
-    `streams` ops at once); `dff` of the SM share; the DRAM share under --dram."""
-    return [sm_share, lambda a: 1.0 / streams, *(dff(e) for e in DFF_EPSILONS), *([dram_share] if dram else [])]
 
 
 def _longest_chain_us(dag: Dag, weights: np.ndarray) -> float:
@@ -312,151 +219,10 @@ def disjunctive_us(dag: Dag) -> float:
     return best
 
 
-def memory_lower_bound(p: Problem) -> tuple[int, str]:
-    """(bytes, op): what the op that needs most holds on the device while it runs, in any schedule: the resident
-    bytes, the tensors it reads and writes, its leanest workspace, and the tensors that must stay while it runs:
-    where every path passes through it (`Cut`), every tensor made before it and read after it that can neither be
-    offloaded nor recomputed; anywhere, those its minimum cut splits (`planner.memory_floor`)."""
-    best, where = p.resident_bytes, ""
-    dag = Dag.of(p)
-    anc = dag.ancestors()
-    cut_at = {dag.order[c.v]: c for c in cuts(p, dag, anc)}
-    for i, o in enumerate(p.ops):
-        need = cut_at[i].held_bytes if i in cut_at else p.resident_bytes + own_bytes(p, i)
-        if need > best:
-            best, where = need, o.name
-    split, op = memory_floor(p, dag.order, anc, best)
-    if op >= 0:
-        best, where = split, p.ops[op].name
-    return best, where
-
-
-def cuts(p: Problem, dag: Dag, anc: np.ndarray) -> list[Cut]:
-    """A `Cut` at each op every path passes through: each other op is its ancestor or its descendant, so none
-    runs beside it."""
-    related = (anc | anc.T).sum(axis=1)
-    pos = {op: k for k, op in enumerate(dag.order)}
-    return [Cut.at(p, dag, anc, pos, int(v)) for v in np.flatnonzero(related == len(anc) - 1)]
-
-
-@dataclass
-class Cut:
-    """The device memory at the start of a cut op v: `held_bytes` are there in every schedule (resident bytes,
-    v's leanest workspace, what v reads and writes, every tensor made before v and used after it that must stay);
-    each of `away` (saved tensors whose forward readers all precede v and backward readers all follow it) is
-    there unless offloaded (its copy out ended before v starts, its copy back starts after) or recomputed (after
-    v starts)."""
-
-    v: int  # position in the Dag
-    held_bytes: int
-    away: list[int]  # tensors
-    away_bytes: int
-
-    def excess_bytes(self, cap_bytes: int) -> int:
-        """What the cap forces off the device here (at most away_bytes when the cap is at least held_bytes)."""
-        return self.held_bytes + self.away_bytes - cap_bytes
-
-    @classmethod
-    def at(cls, p: Problem, dag: Dag, anc: np.ndarray, pos: dict[int, int], v: int) -> Cut:
-        op = p.ops[dag.order[v]]
-        before = lambda ops: any(pos[u] == v or anc[v, pos[u]] for u in ops)  # noqa: E731
-        after = lambda ops: any(pos[u] == v or anc[pos[u], v] for u in ops)  # noqa: E731
-        held = p.resident_bytes + min(a.workspace_bytes for a in op.alternatives)
-        away = []
-        for t, tu in enumerate(p.tensors):
-            if t in op.reads or t in op.writes:
-                held += tu.bytes
-            elif (not tu.writers or before(tu.writers)) and (tu.is_output or after(tu.writers + tu.early + tu.late)):
-                if tu.choosable and not after(tu.writers + tu.early) and not before(tu.late):
-                    away.append(t)
-                else:
-                    held += tu.bytes
-        return cls(v, held, away, sum(p.tensors[t].bytes for t in away))
-
-
-def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: np.ndarray, tails: np.ndarray,
-                  streams: int, dram: bool = False) -> float:
-    """C + copy interference >= the least, over fractional offload o_t and recompute r_t of the `Cut`'s away
-    tensors freeing sum (o_t + r_t) bytes_t >= held + away bytes - cap, of H + A + copy_interference x sum o_t
-    (d2h_t + h2d_t), for the cut op that gives most; H = start(v), A = C - start(v):
-      H >= head(v);  H >= the earliest end of their producers + sum o_t d2h_t   (one copy engine, done by start(v))
-      A >= fastest(v) + tail(v);  A >= sum o_t h2d_t + least fastest + tail of a backward reader   (copies back)
-      A >= work of v and its descendants + sum r_t x the recomputation's work   (recomputations after start(v))
-      H + A >= work of every op + sum r_t x the recomputation's work
-    where work is time x rate, for the SM share and for 1 / streams (on one stream: every op's time, which the SM
-    share leaves out). Offloading and recomputing only add work, so nothing else changes; the relaxation is a
-    linear program. On the CHAIN_FILL_CUTS cuts that give most, A also bounds `chain_fill` over v and its
-    descendants, the recomputations among the fillers (each a share r_t of itself)."""
-    fastest = dag.fastest_us()
-    works = [(rate, dag.least(rate)) for rate in (sm_share, lambda alt: 1.0 / streams)]
-    pos = {op: k for k, op in enumerate(dag.order)}
-    related = anc | anc.T
-    programs = []
-    for cut in cuts(p, dag, anc):
-        v, excess = cut.v, cut.excess_bytes(cap_bytes)
-        if excess <= 0:
-            continue
-        away = [p.tensors[t] for t in cut.away]
-        lp = LP()
-        o = lp.columns(len(away))
-        r = lp.columns(len(away))
-        h = lp.columns(1, cost=1.0, lower=float(heads[v]))
-        a = lp.columns(1, cost=1.0, lower=float(fastest[v] + tails[v]))
-        for i, t in enumerate(away):
-            lp.bounds[o + i], lp.bounds[r + i] = (0.0, float(t.can_offload)), (0.0, float(t.can_recompute))
-            lp.cost[o + i] = p.device.copy_interference * (t.d2h_us + t.h2d_us) if t.can_offload else 0.0
-            lp.row({o + i: 1.0, r + i: 1.0}, 1.0)
-        made = min((heads[pos[t.producer]] + fastest[pos[t.producer]] if t.producer is not None else 0.0)
-                   for t in away)
-        back = min(fastest[pos[c]] + tails[pos[c]] for t in away for c in t.late)
-        lp.row({**{o + i: t.d2h_us for i, t in enumerate(away) if t.can_offload}, h: -1.0}, -made)
-        lp.row({**{o + i: t.h2d_us for i, t in enumerate(away) if t.can_offload}, a: -1.0}, -back)
-        for rate, least in works:
-            recomputed = {r + i: t.recompute.time_us * rate(t.recompute) for i, t in enumerate(away) if t.can_recompute}
-            lp.row({**recomputed, a: -1.0}, -float(least[v] + least[anc[:, v]].sum()))
-            lp.row({**recomputed, h: -1.0, a: -1.0}, -float(least.sum()))
-        lp.row({**{o + i: -float(t.bytes) for i, t in enumerate(away)},
-                **{r + i: -float(t.bytes) for i, t in enumerate(away)}}, -float(excess))
-        best = lp.solve()
-        if best is not None:
-            programs.append((best, v, away, lp, r, a))
-    programs.sort(key=lambda x: -x[0])
-    for k, (best, v, away, lp, r, a) in enumerate(programs[:CHAIN_FILL_CUTS]):
-        path, fillers = _chain_and_fillers(dag, related, np.r_[v, np.flatnonzero(anc[:, v])])  # v, descendants
-        for i, t in enumerate(away):  # a recomputation ends before its backward readers start
-            if t.can_recompute:
-                readers = [pos[c] for c in t.late]
-                ahead = np.array([not any(u == c or anc[u, c] for c in readers) for u in path])
-                fillers.append(Filler([t.recompute], ahead, budget=r + i))
-        add_chain_fill(lp, [dag.alts[u] for u in path], fillers, streams, rates(streams, dram), a)
-        stronger = lp.solve()
-        if stronger is not None:
-            programs[k] = (max(best, stronger), *programs[k][1:])
-    return max((best for best, *_ in programs), default=0.0)
-
-
-def worst_cut(p: Problem, cap_bytes: int) -> tuple[int, set[int]]:
-    """(bytes, tensors): at the cut op where the cap forces most off the device, how much and what may go."""
-    dag = Dag.of(p)
-    worst = (0, set())
-    for cut in cuts(p, dag, dag.ancestors()):
-        worst = max(worst, (cut.excess_bytes(cap_bytes), set(cut.away)), key=lambda w: w[0])
-    return worst
-
-
 def chain_fill_us(dag: Dag, anc: np.ndarray, streams: int, dram: bool = False) -> float:
     """`chain_fill`'s bound on the whole DAG."""
-    path, fillers = _chain_and_fillers(dag, anc | anc.T, np.arange(len(dag.preds)))
+    path, fillers = chain_and_fillers(dag, anc | anc.T, np.arange(len(dag.preds)))
     lp = LP()
     total = lp.columns(1, cost=1.0)
     add_chain_fill(lp, [dag.alts[u] for u in path], fillers, streams, rates(streams, dram), total)
     return lp.solve() or 0.0
-
-
-def _chain_and_fillers(dag: Dag, related: np.ndarray, ops: np.ndarray) -> tuple[np.ndarray, list[Filler]]:
-    """The longest chain through `ops` (positions in topological order) at the fastest times, and the other ops
-    as fillers beside the chain ops they are unrelated to."""
-    index = {int(w): i for i, w in enumerate(ops)}
-    path = ops[longest_path([[index[u] for u in dag.preds[w] if u in index] for w in ops], dag.fastest_us()[ops])]
-    on_path = set(path.tolist())
-    return path, [Filler(dag.alts[w], ~related[w, path]) for w in ops if w not in on_path]

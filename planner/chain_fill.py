@@ -14,7 +14,7 @@ a (time t_ua, SM share s_ua, room r_ua = 1 - s_ua) and z_wua the share of filler
   sum_ua z_wua <= b_w                                             (each filler's work once)
 
 z_wua exists only where w may overlap u (not its ancestor or descendant) and fits r_ua; area_w(r) and time_w(r)
-are the least area and time of w's alternatives within r; R is any rate (`bounds.rates`): outside the chain only
+are the least area and time of w's alternatives within r; R is any rate (`dag.rates`): outside the chain only
 fillers run, their rates summing to at most 1. b_w is 1, or the fraction of a recomputation a cap forces
 (`memory_cut_us`). The relaxation is a linear program; T bounds the time the chain and its fillers take.
 """
@@ -139,3 +139,12 @@ def add_chain_fill(lp: LP, chain: list[list[Alternative]], fillers: list[Filler]
     along = {x[u] + a: alt.time_us for u, alts in enumerate(chain) for a, alt in enumerate(alts)}
     for k in range(len(rates)):
         lp.row({**along, **outside[k], total: -1.0}, -float(constant[k]))
+
+
+def chain_and_fillers(dag, related: np.ndarray, ops: np.ndarray) -> tuple[np.ndarray, list[Filler]]:
+    """The longest chain through `ops` (positions in topological order) at the fastest times, and the other ops
+    as fillers beside the chain ops they are unrelated to."""
+    index = {int(w): i for i, w in enumerate(ops)}
+    path = ops[longest_path([[index[u] for u in dag.preds[w] if u in index] for w in ops], dag.fastest_us()[ops])]
+    on_path = set(path.tolist())
+    return path, [Filler(dag.alts[w], ~related[w, path]) for w in ops if w not in on_path]

@@ -11,7 +11,6 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from planner.files import PlannerError, save_model
@@ -75,7 +74,7 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="print the numbers as JSON"),
 ):
     """Import a model and report its op DAG: op counts, bytes by role, serial peak, critical path, width."""
-    from planner.stats import graph_stats
+    from planner.stats import graph_stats, print_stats
 
     t0 = time.perf_counter()
     graph = load_graph(model, batch, dtype, train)
@@ -86,30 +85,7 @@ def inspect(
         print(json.dumps(stats.model_dump(), indent=1))
         return
     what = "training iteration" if graph.training and any(n.phase == "update" for n in graph.nodes) else "inference"
-    console.print(f"[bold]{stats.model_name}[/] {what}, batch {stats.batch}, {stats.dtype}: "
-                  f"{stats.op_count} ops, {stats.tensor_count} tensors ({time.perf_counter() - t0:.2f} s)")
-    kinds = Table("op kind", "count", title="ops by kind", title_justify="left")
-    for kind, count in stats.ops_by_kind.items():
-        kinds.add_row(kind, str(count))
-    console.print(kinds)
-    sizes = Table("", "", title="memory and shape of the DAG", title_justify="left", show_header=False)
-    rows = [
-        ("weights", fmt_bytes(stats.weight_bytes)),
-        ("running statistics", fmt_bytes(stats.state_bytes)),
-        ("activations (all forward tensors)", fmt_bytes(stats.activation_bytes)),
-        ("saved for backward", fmt_bytes(stats.saved_for_backward_bytes)),
-        ("activation gradients (all)", fmt_bytes(stats.gradient_bytes)),
-        ("weight gradients", fmt_bytes(stats.weight_gradient_bytes)),
-        ("optimizer state", fmt_bytes(stats.optimizer_state_bytes)),
-        ("peak memory, serial order", fmt_bytes(stats.serial_peak_bytes)),
-        ("work", f"{stats.total_gflop:.2f} GFLOP"),
-        ("critical path", f"{stats.critical_path_ops} ops, {stats.critical_path_gflop:.2f} GFLOP "
-                          f"({100 * stats.critical_path_gflop / max(stats.total_gflop, 1e-12):.0f}% of the work)"),
-        ("width (most ops that could run at once)", str(stats.width_ops)),
-    ]
-    for row in rows:
-        sizes.add_row(*row)
-    console.print(sizes)
+    print_stats(stats, what, time.perf_counter() - t0, console)
     if out is not None:
         console.print(f"graph written to {out}")
 
@@ -228,6 +204,7 @@ def solve(
     """Choose algorithms, streams, offloads and recomputations under a memory cap with CP-SAT."""
     from planner.memsize import parse_sizes
     from planner.solve import Options, serial_device_bytes
+    from planner.solve_report import print_plan_summary, print_tradeoff, solve_one
     from planner.stats import serial_peak_bytes
 
     graph = load_graph(model, batch, dtype, train)
@@ -247,97 +224,20 @@ def solve(
         target = out if out and len(caps) == 1 else (out.with_suffix(f".{cap >> 20}MiB.json") if out else
                                                      Path("plans") / f"{stem}.{cap >> 20}MiB.json"
                                                      if len(caps) > 1 else Path("plans") / f"{stem}.json")
-        plan = _solve_one(graph, prof, cap, options, len(caps) > 1, target)
+        plan = solve_one(graph, prof, cap, options, len(caps) > 1, target, console)
         rows.append((cap, plan))
         if plan is None:
             continue
         save_model(plan, target)
         if len(caps) == 1:
-            _print_plan_summary(plan)
+            print_plan_summary(plan, console)
         console.print(f"plan written to {target}")
     if len(caps) > 1:
-        _print_tradeoff(rows, graph, png)
+        print_tradeoff(rows, graph, png, console)
     if all(p is None for _, p in rows):
         from planner.minimum_cap import CapTooSmall
 
         raise CapTooSmall("no cap of the sweep can be met", 0)
-
-
-def _solve_one(graph, prof, cap: int, options, sweeping: bool, target: Path):
-    """Solve under one cap; the first valid plan is written to `target` as soon as it is found, so that an
-    interrupted solve leaves a plan (the caller writes the final one)."""
-    from rich.live import Live
-
-    from planner.minimum_cap import CapTooSmall
-    from planner.solve import solve_plan
-
-    status = Text(f"solving at cap {fmt_bytes(cap)}: building the model…")
-    written: list[float] = []
-    with Live(status, console=console, transient=True, refresh_per_second=4) as live:
-        def progress(best_us: float, bound_us: float, elapsed_s: float) -> None:
-            status.plain = (f"solving at cap {fmt_bytes(cap)}: {elapsed_s:5.1f} s, best {best_us:.1f} us, "
-                            f"bound {bound_us:.1f} us")
-
-        def first(plan) -> None:
-            if written and written[0] <= plan.totals.predicted_us:
-                return
-            save_model(plan, target)
-            written[:] = [plan.totals.predicted_us]
-            live.console.print(f"first valid plan after {plan.totals.first_plan_s:.1f} s: "
-                               f"{plan.totals.predicted_us:.1f} us, written to {target}; searching on")
-        try:
-            return solve_plan(graph, prof, cap, options, progress, first)
-        except CapTooSmall as e:
-            if not sweeping:
-                raise
-            console.print(f"[red]cap {fmt_bytes(cap)}[/]: {e}")
-            return None
-
-
-def _print_plan_summary(plan) -> None:
-    t = plan.totals
-    table = Table(show_header=False, title=f"plan for {plan.model_name} b{plan.batch} {plan.dtype}"
-                  + (" [yellow](ESTIMATED profile)[/]" if plan.estimated else ""), title_justify="left")
-    rows = [
-        ("predicted iteration time", f"{t.predicted_us:.1f} us" + (
-            f" (makespan {t.makespan_us:.1f} + copy interference {t.copy_interference_us:.1f})"
-            if t.copy_interference_us else "")),
-        ("baseline (serial, fastest algorithm, all kept)", f"{t.baseline_makespan_us:.1f} us, "
-                                                          f"peak {fmt_bytes(t.baseline_peak_bytes)}"),
-        ("speed-up over the baseline", f"{t.baseline_makespan_us / t.predicted_us:.2f}x"),
-        ("predicted peak memory / cap", f"{fmt_bytes(t.peak_bytes)} / {fmt_bytes(t.mem_cap_bytes)}"),
-        ("offloaded / recomputed", f"{fmt_bytes(t.offloaded_bytes)} / {fmt_bytes(t.recomputed_bytes)}"),
-        ("compute streams / events", f"{t.streams_used} / {t.events_used}"),
-        ("concats written in place", f"{len(plan.concat_views)}"),
-        ("lower bound, gap", f"{t.lower_bound_us:.1f} us ("
-                             + ", ".join(f"{k} {v:.1f}" for k, v in t.bounds_us.items() if v > 0)
-                             + f"), gap {t.gap:.1%}"),  # memory_cut is 0 where the cap forces nothing off at any cut
-        ("solver", f"{t.status} in {t.solve_time_s:.1f} s (first valid plan after {t.first_plan_s:.1f} s)"),
-    ]
-    rows += [("simplified", s) for s in t.simplifications]
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-
-
-def _print_tradeoff(rows, graph, png: Optional[Path]) -> None:
-    table = Table("cap", "predicted time", "vs baseline", "peak", "offloaded", "recomputed", "status",
-                  title=f"time against memory: {graph.model_name} b{graph.batch} {graph.dtype}", title_justify="left")
-    for cap, plan in rows:
-        if plan is None:
-            table.add_row(fmt_bytes(cap), "no plan", "", "", "", "", "cap too small")
-            continue
-        t = plan.totals
-        table.add_row(fmt_bytes(cap), f"{t.predicted_us:.1f} us", f"{t.baseline_makespan_us / t.predicted_us:.2f}x",
-                      fmt_bytes(t.peak_bytes), fmt_bytes(t.offloaded_bytes), fmt_bytes(t.recomputed_bytes), t.status)
-    console.print(table)
-    if png is not None:
-        from planner.show import draw_tradeoff
-
-        base = next((p.totals.baseline_makespan_us for _, p in rows if p is not None), 0.0)
-        draw_tradeoff([(c, p.totals.predicted_us if p else None, base) for c, p in rows], png,
-                      f"{graph.model_name} b{graph.batch} {graph.dtype}")
-        console.print(f"trade-off chart written to {png}")
 
 
 @app.command()
@@ -374,65 +274,9 @@ def calibrate(
 ):
     """Fit the per-op dispatch time (and, from traces, the copy slowdown) that make the plans' predictions match
     measured runs, apart for plans on one compute stream; --write stores them."""
-    import json
+    from planner.calibrate_report import calibrate_files
 
-    from planner.calibrate import (co_running, co_running_rows, fit, fit_copy_slowdown, pair,
-                                   traced_copies, write_calibration)
-    from planner.files import load_model
-    from planner.plan import Plan
-    from planner.report import RunReport
-
-    for what, given in (("--plan", plans), ("--trace", traces)):
-        if given and len(given) != len(reports):
-            raise PlannerError(f"{len(reports)} reports but {len(given)} {what} files")
-    runs, run_reports = [], []
-    for k, path in enumerate(reports):
-        report = load_model(RunReport, path)
-        run_reports.append(report)
-        runs.append(pair(report, load_model(Plan, plans[k] if plans else Path(report.plan_file)),
-                         path.name.removesuffix(".json").removesuffix(".run")))
-    fingerprints = {r.plan.device_fingerprint for r in runs}
-    modes = {"training" if r.plan.training else "inference" for r in runs}
-    if len(fingerprints) > 1 or len(modes) > 1:
-        raise PlannerError("the runs mix devices or training with inference; calibrate one device and mode at a time")
-    mode = modes.pop()
-    copies, beside = [], []
-    for r, report, trace in zip(runs, run_reports, traces or []):
-        try:
-            traced = json.loads(trace.read_text())
-            copies += traced_copies(traced, r.plan, trace.name)
-            beside += co_running(traced, r.plan, report)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise PlannerError(f"{trace}: not a readable trace ({e!r})") from None
-    copy_slowdown = fit_copy_slowdown(copies)
-    for r in runs:
-        r.copy_slowdown = copy_slowdown
-    dispatch, one_stream_dispatch, interference = fit(runs)
-    fitted = [f"dispatch time per op {d:.2f} us{where}" for d, where in
-              ((dispatch, " on several streams"), (one_stream_dispatch, " on one stream")) if d is not None]
-    fitted += [f"{d} copies x{v:.3f}" for d, v in copy_slowdown.items()]
-    if not any(r.plan.copies for r in runs):
-        interference = None  # nothing to fit it from: the stored value stays
-    else:
-        fitted.append(f"copy interference {interference:.3f} us per us of copy")
-    table = Table(title=f"{mode}: " + "; ".join(fitted))
-    for col in ("run", "streams", "ops", "measured us", "predicted us (error)", "at the fitted values (error)"):
-        table.add_column(col, justify="left" if col == "run" else "right", overflow="fold")
-    for r in runs:  # errors as `planner run` reports them: measured over predicted, minus 1
-        table.add_row(r.name, str(r.plan.compute_streams), str(len(r.plan.ops)), f"{r.measured_us:.1f}",
-                      f"{r.predicted_us:.1f} ({r.measured_us / r.predicted_us - 1:+.1%})",
-                      f"{r.fitted_us:.1f} ({r.measured_us / r.fitted_us - 1:+.1%})")
-    console.print(table)
-    if beside:
-        table = Table(title="ops in the traced iterations against alone (the planner prices them alone)")
-        for col in ("ops", "count", "time alone us", "in the iteration us", "ratio"):
-            table.add_column(col, justify="left" if col == "ops" else "right")
-        for what, count, alone_us, inside_us in co_running_rows(beside):
-            table.add_row(what, str(count), f"{alone_us:.1f}", f"{inside_us:.1f}", f"x{inside_us / alone_us:.2f}")
-        console.print(table)
-    for path in write_calibration(write or [], fingerprints.pop(), mode, dispatch, copy_slowdown, interference,
-                                  one_stream_dispatch):
-        console.print(f"calibration written to {path}")
+    calibrate_files(reports, plans, traces, write, console)
 
 
 @app.command()

@@ -8,7 +8,8 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-from planner.bounds import sm_share, worst_cut
+from planner.dag import sm_share
+from planner.memory_bounds import worst_cut
 from planner.heuristic import Outcome, Work, cost, interference_ticks, list_schedule
 from planner.problem import Problem
 from planner.schedule import Decision, Schedule, peak_memory, residency, timed
@@ -144,7 +145,7 @@ def recompute_over_offload(p: Problem, best: Outcome, run: Callable[[dict[int, D
 def cheapest_cover(p: Problem, worst: tuple[int, set[int]], by_cost: list[int], chain_free: bool = False
                    ) -> list[int]:
     """The cheapest recomputations (`by_cost` order) that free what the cap forces away at its tightest cut
-    (`worst`: bounds.worst_cut, computed once for both covers): the integral start the memory_cut bound's
+    (`worst`: memory_bounds.worst_cut, computed once for both covers): the integral start the memory_cut bound's
     relaxation points at. `chain_free` skips those that read a chosen one or are read by one: a recomputation
     that reads another recomputed tensor brings that one back with it, at the later one's backward use, and both
     stay until the earlier one's readers run (ResNet-50 training b32 at 40% of its serial peak: the cover

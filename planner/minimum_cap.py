@@ -1,5 +1,5 @@
 """Exit 3: no schedule fits the cap. The answer names the least cap a schedule was found at, as the runner's arena
-lays it out (`with_arena`), and the floor no schedule goes below (bounds.memory_lower_bound, or CP-SAT's bound on
+lays it out (`with_arena`), and the floor no schedule goes below (memory_bounds.memory_lower_bound, or CP-SAT's bound on
 the least peak)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from planner.arena_fit import device_bytes, plan_of
-from planner.bounds import memory_lower_bound
+from planner.memory_bounds import memory_lower_bound
 from planner.budget import CPSAT_WALL_PER_DET, MIN_SEARCH_SHARE, RUNAWAY
 from planner.decisions import QUICK_EVALS, best_heuristic, fit_slack
 from planner.files import PlannerError

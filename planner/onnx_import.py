@@ -7,20 +7,20 @@ no-op reshapes dropped, Dropout dropped for inference and kept for training.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper, shape_inference
-from google.protobuf.message import DecodeError
+from onnx import numpy_helper
 
 from planner import ops
 from planner.ops import conv_out_size, pool_out_size
 from planner.files import PlannerError
 from planner.fuse import fuse_conv_epilogues
 from planner.ir import Graph, Node, Tensor, finalize
+from planner.onnx_load import (constant_value, fix_input_shapes, fold_node, has_typed_data, infer_shapes, load_onnx,
+                               node_attrs)
 
 SUPPORTED = {
     "Conv", "BatchNormalization", "Relu", "Clip", "Sigmoid", "Mul", "Add", "MaxPool", "AveragePool",
@@ -32,83 +32,9 @@ FOLDABLE = {"Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Cast", "Slice"
             "ConstantOfShape", "Range", "ReduceProd", "Equal", "Where", "Expand", "Reshape", "Flatten"}
 SMALL_CONSTANT_ELEMS = 4096
 
-ONNX_DTYPE_ITEMSIZE = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.DOUBLE: 8}
-
 
 class UnsupportedOps(PlannerError):
     exit_code = 2
-
-
-def load_onnx(path: str | Path) -> tuple[onnx.ModelProto, str]:
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise PlannerError(f"{path}: no such file") from None
-    except OSError as e:
-        raise PlannerError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        model = onnx.load_model_from_string(data)
-    except (DecodeError, ValueError, RuntimeError) as e:
-        raise PlannerError(f"{path}: not a valid ONNX model ({type(e).__name__}: {str(e)[:80]})") from None
-    if not model.graph.node:
-        raise PlannerError(f"{path}: not a valid ONNX model (the graph has no nodes; truncated or empty file?)")
-    return model, hashlib.sha256(data).hexdigest()
-
-
-def _fix_input_shapes(model: onnx.ModelProto, batch: int, input_hw: tuple[int, int] | None) -> None:
-    init_names = {i.name for i in model.graph.initializer}
-    data_inputs = [i for i in model.graph.input if i.name not in init_names]
-    if len(data_inputs) != 1:
-        raise PlannerError(f"expected one data input, found {len(data_inputs)}: {[i.name for i in data_inputs]}")
-    dims = data_inputs[0].type.tensor_type.shape.dim
-    if len(dims) != 4:
-        raise PlannerError(f"input {data_inputs[0].name!r} has rank {len(dims)}; cnn-planner expects NCHW images")
-    dims[0].Clear()
-    dims[0].dim_value = batch
-    if input_hw is not None:
-        for d, v in zip(dims[2:], input_hw):
-            d.Clear()
-            d.dim_value = v
-    for d in dims:
-        if not d.HasField("dim_value"):
-            raise PlannerError(f"input {data_inputs[0].name!r} has a dynamic dimension other than the batch")
-    for o in model.graph.output:
-        o.type.tensor_type.ClearField("shape")
-    del model.graph.value_info[:]
-
-
-def _shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
-    try:
-        inferred = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    except Exception as e:
-        raise PlannerError(f"ONNX shape inference failed: {str(e).splitlines()[0][:200]}") from None
-    shapes = {}
-    for vi in list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input):
-        dims = vi.type.tensor_type.shape.dim
-        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
-            shapes[vi.name] = [d.dim_value for d in dims]
-    for init in inferred.graph.initializer:
-        shapes[init.name] = list(init.dims)
-    return shapes
-
-
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
-def _fold(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> list[np.ndarray]:
-    from onnx.reference import ReferenceEvaluator
-
-    inputs = [n for n in node.input if n]
-    g = onnx.helper.make_graph(
-        [node], "fold",
-        [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(consts[n].dtype), consts[n].shape)
-         for n in inputs],
-        [onnx.helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output],
-    )
-    m = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)])
-    return ReferenceEvaluator(m).run(None, {n: consts[n] for n in inputs})
 
 
 def _spatial_pads(attrs: dict, x_shape: list[int], kernel: list[int], strides: list[int], dilations: list[int]):
@@ -155,13 +81,13 @@ def import_onnx(
         detail = ", ".join(f"{k} (e.g. node {next(n for kk, n in unsupported if kk == k)!r})" for k in kinds)
         raise UnsupportedOps(f"{path}: unsupported ONNX op types: {detail}")
 
-    _fix_input_shapes(model, batch, input_hw)
-    shapes = _shapes(model)
+    fix_input_shapes(model, batch, input_hw)
+    shapes = infer_shapes(model)
     b = _Builder(dtype, training, shapes, opset)
 
     init_names = {i.name for i in model.graph.initializer}
     for init in model.graph.initializer:
-        if init.data_location != onnx.TensorProto.EXTERNAL and (init.raw_data or _has_typed_data(init)):
+        if init.data_location != onnx.TensorProto.EXTERNAL and (init.raw_data or has_typed_data(init)):
             value = numpy_helper.to_array(init)
             if value.dtype.kind in "iub" or value.size <= 1:
                 b.consts[init.name] = value
@@ -187,10 +113,6 @@ def import_onnx(
         n.flops = ops.flops(n.kind, [graph.tensors[t].shape for t in n.inputs],
                             [graph.tensors[t].shape for t in n.outputs], n.attrs)
     return graph if training or not fuse else fuse_conv_epilogues(graph)
-
-
-def _has_typed_data(init: onnx.TensorProto) -> bool:
-    return any(len(getattr(init, f)) for f in ("float_data", "int32_data", "int64_data", "double_data"))
 
 
 class _Builder:
@@ -261,10 +183,10 @@ class _Builder:
 
     def add(self, node: onnx.NodeProto) -> None:
         t = node.op_type
-        a = _attrs(node)
+        a = node_attrs(node)
         ins = [self.resolve(i) if i else "" for i in node.input]
         if t == "Constant":
-            self.consts[node.output[0]] = _constant_value(node, a)
+            self.consts[node.output[0]] = constant_value(node, a)
             return
         if t == "Identity":
             if ins[0] in self.initializer_dims and ins[0] not in self.consts:
@@ -280,7 +202,7 @@ class _Builder:
             self.consts[node.output[0]] = shape[start:end]
             return
         if all((i in self.consts) for i in ins if i) and t not in ("Dropout",):
-            for o, v in zip(node.output, _fold(node, self.consts)):
+            for o, v in zip(node.output, fold_node(node, self.consts)):
                 self.consts[o] = np.asarray(v)
             return
         if t not in SUPPORTED:
@@ -473,15 +395,3 @@ class _Builder:
         self.nodes = kept[::-1]
         used = live | {o for n in self.nodes for o in n.outputs}
         self.tensors = {k: v for k, v in self.tensors.items() if k in used}
-
-
-def _constant_value(node: onnx.NodeProto, a: dict) -> np.ndarray:
-    if "value" in a:
-        return numpy_helper.to_array(a["value"])
-    for key in ("value_float", "value_int"):
-        if key in a:
-            return np.array(a[key])
-    for key in ("value_floats", "value_ints"):
-        if key in a:
-            return np.array(list(a[key]))
-    raise PlannerError(f"Constant node {node.name!r}: unsupported value kind {sorted(a)}")

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Callable, Literal
 
 from planner.arena_fit import arena_fit, device_bytes, fits_device, plan_of, solver_cap
-from planner.bounds import lower_bounds_us, memory_lower_bound
+from planner.bounds import lower_bounds_us
+from planner.memory_bounds import memory_lower_bound
 from planner.budget import (BOUND_S_PER_OP, CPSAT_WALL_PER_DET, LAYOUT_S_PER_OP, MIN_SEARCH_SHARE, RUNAWAY, charged_s,
                             final_checks_s)
 from planner.decisions import FIT_EVALS, LIST_SLACKS, QUICK_EVALS, best_heuristic, fit_slack

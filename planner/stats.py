@@ -6,11 +6,14 @@ from collections import Counter
 
 import numpy as np
 from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_bipartite_matching
 
 from planner import ops
 from planner.ir import Graph
+from planner.memsize import fmt_bytes
 
 
 class GraphStats(BaseModel):
@@ -137,3 +140,31 @@ def graph_stats(graph: Graph) -> GraphStats:
         critical_path_gflop=cp_flops / 1e9,
         width_ops=width(graph),
     )
+
+
+def print_stats(stats: GraphStats, what: str, elapsed_s: float, console: Console) -> None:
+    """The report of `planner inspect`: op counts by kind, then memory and the DAG's shape."""
+    console.print(f"[bold]{stats.model_name}[/] {what}, batch {stats.batch}, {stats.dtype}: "
+                  f"{stats.op_count} ops, {stats.tensor_count} tensors ({elapsed_s:.2f} s)")
+    kinds = Table("op kind", "count", title="ops by kind", title_justify="left")
+    for kind, count in stats.ops_by_kind.items():
+        kinds.add_row(kind, str(count))
+    console.print(kinds)
+    sizes = Table("", "", title="memory and shape of the DAG", title_justify="left", show_header=False)
+    rows = [
+        ("weights", fmt_bytes(stats.weight_bytes)),
+        ("running statistics", fmt_bytes(stats.state_bytes)),
+        ("activations (all forward tensors)", fmt_bytes(stats.activation_bytes)),
+        ("saved for backward", fmt_bytes(stats.saved_for_backward_bytes)),
+        ("activation gradients (all)", fmt_bytes(stats.gradient_bytes)),
+        ("weight gradients", fmt_bytes(stats.weight_gradient_bytes)),
+        ("optimizer state", fmt_bytes(stats.optimizer_state_bytes)),
+        ("peak memory, serial order", fmt_bytes(stats.serial_peak_bytes)),
+        ("work", f"{stats.total_gflop:.2f} GFLOP"),
+        ("critical path", f"{stats.critical_path_ops} ops, {stats.critical_path_gflop:.2f} GFLOP "
+                          f"({100 * stats.critical_path_gflop / max(stats.total_gflop, 1e-12):.0f}% of the work)"),
+        ("width (most ops that could run at once)", str(stats.width_ops)),
+    ]
+    for row in rows:
+        sizes.add_row(*row)
+    console.print(sizes)

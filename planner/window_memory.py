@@ -25,7 +25,7 @@ class Residency:
 
 
 def residencies(p: Problem, s: Schedule, items: list) -> list[Residency]:
-    """schedule.residency in terms of items (refine.items_of), so a window can state them over its variables."""
+    """schedule.residency in terms of items (window.items_of), so a window can state them over its variables."""
     at = {(it.kind, it.index): k for k, it in enumerate(items)}
     extra: dict[tuple[int, bool], list[int]] = {}  # (tensor, second residency) -> recomputations reading it
     for t in s.recompute_start:
@@ -50,7 +50,7 @@ def residencies(p: Problem, s: Schedule, items: list) -> list[Residency]:
 
 def add_window_memory(w, items: list, lives: list[Residency], room_bytes: int) -> None:
     """sum of the bytes of residencies and workspaces alive at any instant of [lo, E] <= room_bytes (the cap less
-    resident bytes), each clipped to [lo, E] (refine.new_window): before lo nothing moves; after E only shifted
+    resident bytes), each clipped to [lo, E] (window.new_window): before lo nothing moves; after E only shifted
     items run, and every residency alive at an instant there was alive `shift` later before the move. One that
     spans [lo, E] whatever the shift only lowers the room."""
     lo, latest, reach = w.span

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
+
 from planner.files import PlannerError
 from planner.ir import Graph, Tensor
 from planner.plan import Plan
@@ -65,33 +67,39 @@ CLOSE = 0.001  # ... (`placements`)
 SQUEAKY_RAISE = 0.5  # ... each raising the priority of the blocks above that bound by this share
 
 
-def _overlaps(blocks: list[Block]) -> dict[str, list[Block]]:
-    """For each block, the blocks live at some instant it is."""
-    by_start = sorted(blocks, key=lambda b: b.start)
-    out: dict[str, list[Block]] = {b.name: [] for b in blocks}
-    for i, a in enumerate(by_start):
-        for b in by_start[i + 1:]:
-            if b.start >= a.end:
+def _overlaps(blocks: list[Block]) -> list[np.ndarray]:
+    """For each block (by position), the positions of the blocks live at some instant it is."""
+    by_start = sorted(range(len(blocks)), key=lambda i: blocks[i].start)
+    out: list[list[int]] = [[] for _ in blocks]
+    for k, i in enumerate(by_start):
+        a = blocks[i]
+        for j in by_start[k + 1:]:
+            if blocks[j].start >= a.end:
                 break
-            if _overlap_in_time(a, b):
-                out[a.name].append(b)
-                out[b.name].append(a)
-    return out
+            if _overlap_in_time(a, blocks[j]):
+                out[i].append(j)
+                out[j].append(i)
+    return [np.array(o, dtype=np.int64) for o in out]
 
 
-def _first_fit(blocks: list[Block], order, overlaps: dict[str, list[Block]]) -> tuple[dict[str, int], int]:
-    offsets: dict[str, int] = {}
-    ends: dict[str, int] = {}  # offset + aligned size of each placed block
-    for block in sorted(blocks, key=order):
-        size = aligned(block.size_bytes)
-        busy = sorted((offsets[o.name], ends[o.name]) for o in overlaps[block.name] if o.name in offsets)
+def _first_fit(blocks: list[Block], order, overlaps: list[np.ndarray]) -> tuple[dict[str, int], int]:
+    """Blocks in `order`, each at the lowest offset clear of the placed blocks it overlaps in time: past each
+    of them in offset order (by start, then end) until the gap before the next one holds it."""
+    offsets = np.full(len(blocks), -1, dtype=np.int64)
+    ends = np.zeros(len(blocks), dtype=np.int64)  # offset + aligned size of each placed block
+    for i in sorted(range(len(blocks)), key=lambda i: order(blocks[i])):
+        size = aligned(blocks[i].size_bytes)
+        near = overlaps[i][offsets[overlaps[i]] >= 0]
         offset = 0
-        for lo, hi in busy:
-            if offset + size <= lo:
-                break
-            offset = max(offset, hi)
-        offsets[block.name], ends[block.name] = offset, offset + size
-    return offsets, max(ends.values(), default=0)
+        if near.size:
+            lo, hi = offsets[near], ends[near]
+            by = np.lexsort((hi, lo))
+            lo, reach = lo[by], np.maximum.accumulate(hi[by])
+            before = np.concatenate(([0], reach[:-1]))  # the offset tried before each busy interval
+            gap = np.flatnonzero(before + size <= lo)
+            offset = int(before[gap[0]]) if gap.size else int(reach[-1])
+        offsets[i], ends[i] = offset, offset + size
+    return {b.name: int(offsets[i]) for i, b in enumerate(blocks)}, int(ends.max(initial=0))
 
 
 def placements(blocks: list[Block]) -> Iterator[tuple[dict[str, int], int]]:
@@ -173,8 +181,9 @@ def first_over(blocks: list[Block], offsets: dict[str, int], limit_bytes: int) -
 def check_offsets(blocks: list[Block], offsets: dict[str, int]) -> None:
     """No two blocks live at the same time share a byte."""
     overlaps = _overlaps(blocks)
-    for a in sorted(blocks, key=lambda b: b.start):
-        for b in overlaps[a.name]:
+    for i in sorted(range(len(blocks)), key=lambda i: blocks[i].start):
+        a = blocks[i]
+        for b in (blocks[j] for j in overlaps[i]):
             if _share_bytes(a, b, offsets):
                 raise PlannerError(f"arena overlap: {a.name!r} and {b.name!r} share memory while both are live "
                                    f"(from {max(a.start, b.start)})")

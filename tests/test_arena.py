@@ -81,6 +81,24 @@ def test_random_lifetimes_pack_without_overlap(blocks):
     assert all(offsets[b.name] + b.size_bytes <= arena for b in blocks)
 
 
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(blocks_strategy)
+def test_first_fit_puts_each_block_at_the_lowest_offset_clear_of_those_placed(blocks):
+    """Against the rule itself: in each order, a block goes to the lowest of 0 and the tops of the placed blocks
+    live with it where it meets none of them."""
+    for order in PLACEMENT_ORDERS:
+        offsets, arena = _first_fit(blocks, order, _overlaps(blocks))
+        placed = []
+        for b in sorted(blocks, key=order):
+            live = [o for o in placed if o.start < b.end and b.start < o.end]
+            clear = [at for at in [0] + [offsets[o.name] + aligned(o.size_bytes) for o in live]
+                     if all(at + aligned(b.size_bytes) <= offsets[o.name] or offsets[o.name] + aligned(o.size_bytes) <= at
+                            for o in live)]
+            assert offsets[b.name] == min(clear)
+            placed.append(b)
+        assert arena == max(offsets[b.name] + aligned(b.size_bytes) for b in blocks)
+
+
 def _plan_with_reuse(with_data_wait: bool):
     """a (stream 0) writes x, read by b (stream 1); later c (stream 0) writes y into x's bytes."""
     from planner.plan import Plan, Residency, ScheduledOp, Totals

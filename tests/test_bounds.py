@@ -9,8 +9,9 @@ import pytest
 from test_solver import H100, brute_force_makespan, chain_problem, random_problem, solve_tiny, sum_problem
 
 from planner import cpsat, solve
-from planner.bounds import (Dag, head_tail_us, heads_tails_us, lower_bounds_us, memory_lower_bound,
-                            segment_heads_tails, separators)
+from planner.bounds import head_tail_us, heads_tails_us, lower_bounds_us, segment_heads_tails, separators
+from planner.dag import Dag
+from planner.memory_bounds import memory_lower_bound
 from planner.heuristic import list_schedule
 from planner.problem import Alternative, Op, Problem
 from planner.schedule import peak_memory, timed
@@ -169,7 +170,7 @@ def test_the_memory_cut_with_recomputations_beside_the_chain_stays_under_the_opt
     assert result.status == "OPTIMAL"
     with_chain = lower_bounds_us(p, 4, cap)["memory_cut"]
     assert with_chain <= result.schedule.makespan(p) + 1e-6
-    monkeypatch.setattr("planner.bounds.CHAIN_FILL_CUTS", 0)
+    monkeypatch.setattr("planner.memory_bounds.CHAIN_FILL_CUTS", 0)
     assert lower_bounds_us(p, 4, cap)["memory_cut"] < with_chain
 
 
@@ -198,7 +199,7 @@ def test_a_cap_that_forces_recomputation_raises_the_bound_by_it():
 def test_on_one_stream_the_memory_cut_counts_a_narrow_recomputation_whole(monkeypatch):
     """A recomputation on 30% of the SMs adds 0.3 us of SM work per us, but on one stream nothing runs beside it:
     the cut's rows at rate 1 / streams count its whole time (without the chain-and-fillers rows, which also do)."""
-    monkeypatch.setattr("planner.bounds.CHAIN_FILL_CUTS", 0)
+    monkeypatch.setattr("planner.memory_bounds.CHAIN_FILL_CUTS", 0)
     p = slow_copy_chain(6)
     for t in p.tensors:
         if t.can_recompute:

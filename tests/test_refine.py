@@ -14,8 +14,8 @@ from planner.check import check_plan
 from planner.decisions import fit_cap
 from planner.heuristic import cost, list_schedule, serial
 from planner.plan import Totals
-from planner.refine import (WINDOW_DET_LEVELS, WINDOW_SIZES, Memory, add_window_resources, apply, items_of,
-                            new_window, precedences, refine, solve_window, sweep)
+from planner.refine import WINDOW_DET_LEVELS, WINDOW_SIZES, refine, sweep
+from planner.window import Memory, add_window_resources, apply, items_of, new_window, precedences, solve_window
 from planner.schedule import peak_memory, timed
 from planner.decisions import best_heuristic, fit_slack
 from planner.streams import build_plan
@@ -92,7 +92,7 @@ def test_a_converged_search_solves_every_window_again_for_longer(monkeypatch):
     solved_for = []
 
     def spy(*args):
-        solved_for.append(args[-1])
+        solved_for.append(args[6])  # det_s
         return solve_window(*args)
 
     monkeypatch.setattr(refine_module, "solve_window", spy)
@@ -167,7 +167,8 @@ def test_a_window_with_memory_holds_its_own_schedule_and_its_moves_fit_the_cap(s
             w.model.add(w.start[k] == items[k].start)
             w.model.add(lits[items[k].chosen] == 1)
         assert cp_model.CpSolver().solve(w.model) == cp_model.OPTIMAL
-        move, _ = solve_window(items, edges, t0, t1, streams, 0, memory=Memory(lives, room, lambda move: True))
+        move, _ = solve_window(items, edges, t0, t1, streams, 0, WINDOW_DET_LEVELS[-1],
+                               memory=Memory(lives, room, lambda move: True))
         if move is not None:
             moved = apply(s, items, move)
             assert peak_memory(p, moved.decision, timed(p, moved))[0] <= cap
@@ -179,10 +180,10 @@ def test_a_window_whose_best_move_overflows_finds_one_that_fits_with_memory_mode
     edges, lives = precedences(p, s, items_of(p, s)), residencies(p, s, items_of(p, s))
     rescued = 0
     for items, t0, t1 in _windows(p, s, 8):
-        blind, _ = solve_window(items, edges, t0, t1, streams, 0)
+        blind, _ = solve_window(items, edges, t0, t1, streams, 0, WINDOW_DET_LEVELS[-1])
         if blind is None or peak_memory(p, s.decision, timed(p, apply(s, items, blind)))[0] <= cap:
             continue
         memory = Memory(lives, cap - p.resident_bytes, lambda move: True)
-        aware, _ = solve_window(items, edges, t0, t1, streams, 0, memory=memory)
+        aware, _ = solve_window(items, edges, t0, t1, streams, 0, WINDOW_DET_LEVELS[-1], memory=memory)
         rescued += aware is not None and cost(p, apply(s, items, aware)) < cost(p, s)
     assert rescued >= 1

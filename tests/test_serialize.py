@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from planner.analytic import estimate_profile
-from planner.bounds import memory_lower_bound
+from planner.memory_bounds import memory_lower_bound
 from planner.check import check_plan
 from planner.devices import load_device
 from planner.decisions import fit_cap

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from planner import cpsat, refine
 from planner.analytic import estimate_profile
-from planner.bounds import memory_lower_bound, worst_cut
+from planner.memory_bounds import memory_lower_bound, worst_cut
 from planner.check import check_plan
 from planner.cli import app
 from planner.devices import load_device

@@ -1,0 +1,78 @@
+"""`planner calibrate` over files: pair each run report with its plan, fit the dispatch time (and from traces the
+copy slowdown), show the fit and how ops slow beside others, and write the fitted values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.calibrate import (co_running, co_running_rows, fit, fit_copy_slowdown, pair, traced_copies,
+                               write_calibration)
+from planner.files import PlannerError, load_model
+from planner.plan import Plan
+from planner.report import RunReport
+
+
+def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[Path] | None,
+                    write: list[Path] | None, console: Console) -> None:
+    """Fit on the reports (with their plans and traces, in order), print the fit, write it to `write`."""
+    runs, copies, beside = _paired_runs(reports, plans, traces)
+    fingerprints = {r.plan.device_fingerprint for r in runs}
+    modes = {"training" if r.plan.training else "inference" for r in runs}
+    if len(fingerprints) > 1 or len(modes) > 1:
+        raise PlannerError("the runs mix devices or training with inference; calibrate one device and mode at a time")
+    mode = modes.pop()
+    copy_slowdown = fit_copy_slowdown(copies)
+    for r in runs:
+        r.copy_slowdown = copy_slowdown
+    dispatch, one_stream_dispatch, interference = fit(runs)
+    fitted = [f"dispatch time per op {d:.2f} us{where}" for d, where in
+              ((dispatch, " on several streams"), (one_stream_dispatch, " on one stream")) if d is not None]
+    fitted += [f"{d} copies x{v:.3f}" for d, v in copy_slowdown.items()]
+    if not any(r.plan.copies for r in runs):
+        interference = None  # nothing to fit it from: the stored value stays
+    else:
+        fitted.append(f"copy interference {interference:.3f} us per us of copy")
+    table = Table(title=f"{mode}: " + "; ".join(fitted))
+    for col in ("run", "streams", "ops", "measured us", "predicted us (error)", "at the fitted values (error)"):
+        table.add_column(col, justify="left" if col == "run" else "right", overflow="fold")
+    for r in runs:  # errors as `planner run` reports them: measured over predicted, minus 1
+        table.add_row(r.name, str(r.plan.compute_streams), str(len(r.plan.ops)), f"{r.measured_us:.1f}",
+                      f"{r.predicted_us:.1f} ({r.measured_us / r.predicted_us - 1:+.1%})",
+                      f"{r.fitted_us:.1f} ({r.measured_us / r.fitted_us - 1:+.1%})")
+    console.print(table)
+    if beside:
+        table = Table(title="ops in the traced iterations against alone (the planner prices them alone)")
+        for col in ("ops", "count", "time alone us", "in the iteration us", "ratio"):
+            table.add_column(col, justify="left" if col == "ops" else "right")
+        for what, count, alone_us, inside_us in co_running_rows(beside):
+            table.add_row(what, str(count), f"{alone_us:.1f}", f"{inside_us:.1f}", f"x{inside_us / alone_us:.2f}")
+        console.print(table)
+    for path in write_calibration(write or [], fingerprints.pop(), mode, dispatch, copy_slowdown, interference,
+                                  one_stream_dispatch):
+        console.print(f"calibration written to {path}")
+
+
+def _paired_runs(reports: list[Path], plans: list[Path] | None, traces: list[Path] | None) -> tuple[list, list, list]:
+    """(each report paired with its plan, the traced copies, the traced ops beside others)."""
+    for what, given in (("--plan", plans), ("--trace", traces)):
+        if given and len(given) != len(reports):
+            raise PlannerError(f"{len(reports)} reports but {len(given)} {what} files")
+    runs, run_reports = [], []
+    for k, path in enumerate(reports):
+        report = load_model(RunReport, path)
+        run_reports.append(report)
+        runs.append(pair(report, load_model(Plan, plans[k] if plans else Path(report.plan_file)),
+                         path.name.removesuffix(".json").removesuffix(".run")))
+    copies, beside = [], []
+    for r, report, trace in zip(runs, run_reports, traces or []):
+        try:
+            traced = json.loads(trace.read_text())
+            copies += traced_copies(traced, r.plan, trace.name)
+            beside += co_running(traced, r.plan, report)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise PlannerError(f"{trace}: not a readable trace ({e!r})") from None
+    return runs, copies, beside
