@@ -19,6 +19,7 @@ from planner.memory_bounds import memory_lower_bound
 from planner.budget import (BOUND_S_PER_OP, CPSAT_WALL_PER_DET, LAYOUT_S_PER_OP, MIN_SEARCH_SHARE, RUNAWAY, charged_s,
                             final_checks_s)
 from planner.decisions import FIT_EVALS, LIST_SLACKS, QUICK_EVALS, best_heuristic, fit_slack
+from planner.deep import deep_recomputations
 from planner.files import PlannerError
 from planner.fuse import concat_view_candidates, concat_view_nodes, with_concat_views
 from planner.heuristic import Work, cost, list_schedule, serial_baseline
@@ -161,7 +162,7 @@ def _framework_baseline(plan: Plan, copying: tuple[float, int]) -> Plan:
 def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Options,
                  on_progress: Callable[[float, float, float], None] | None,
                  on_plan: Callable[[Plan], None] | None, work: Work, t0: float) -> Plan:
-    p = _problem(graph, profile, options, work)
+    p = shallow = _problem(graph, profile, options, work)  # p: with the deep recomputations the heuristic takes
     p1 = p if options.streams == 1 else _problem(graph, profile, options, work, streams=1)  # priced on one stream
     base, base_us, base_peak = serial_baseline(p1)
     need, op = memory_lower_bound(p)
@@ -227,9 +228,9 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         limit, charged = options.time_limit_s, charged_s(work)
         search_s = max(limit - charged - final_checks_s(p), limit * MIN_SEARCH_SHARE)
         if quick:
-            bounds.update(lower_bounds_us(p, options.streams, cap_bytes))
+            bounds.update(lower_bounds_us(shallow, options.streams, cap_bytes))
         plan = _solve_under(graph, p, target, base_us, base_peak, bounds, replace(options, time_limit_s=search_s),
-                            on_progress, hint, fits, own_bound=target == cap_bytes,
+                            on_progress, hint, fits, own_bound=target == cap_bytes and p is shallow,
                             deadline=t0 + RUNAWAY * limit if options.deterministic
                             else t0 + limit - serial_form_offered * len(p.ops) * BOUND_S_PER_OP)
         if limit > 0:
@@ -238,7 +239,7 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         return plan
 
     def done(plan: Plan) -> Plan:
-        if p1 is not p:
+        if p1 is not shallow:
             plan = (offer_serial_form(plan, graph, p1, cap_bytes, fits) if serial_form_offered
                     else offer_serial(plan, serial_plan))
         plan.totals.first_plan_s = first_s if first_s is not None else time.monotonic() - t0
@@ -267,10 +268,13 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
             target, hint = fuller_target, fuller
             if first_s is None:  # the quick heuristic fitted nothing: this is the first valid plan
                 first(target, hint)
+    deeper = deep_recomputations(p, target, options.streams, hint, slack, work) if hint is not None else None
+    if deeper is not None and fits(plan_of(graph, *deeper, target, options.streams)):
+        p, hint = deeper  # the bounds stay those of the shallow problem: a deep recomputation only adds work
     try:
         plan = final(target, hint)
     except CapTooSmall as e:
-        raise with_arena(e, graph, p, options.streams, overflowed) from None
+        raise with_arena(e, graph, shallow, options.streams, overflowed) from None
     if hint is None and not fits(plan):
         need = device_bytes(graph, plan)
         raise CapTooSmall(f"CP-SAT's plan peaks under the cap {fmt_bytes(cap_bytes)} but its arena needs "

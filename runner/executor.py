@@ -126,13 +126,16 @@ class Execution:
     def _build(self, i: int, op: ScheduledOp):
         """(node, GPU op, candidate index) for each node the plan op runs: one; a fused recomputation's bn_apply
         node; or a recomputation's chain, where BatchNormalization is re-applied with its saved statistics and
-        each other op runs the candidate named in the plan's `a+b` algorithm (its fastest)."""
+        each other op runs the candidate named in the plan's `a+b` algorithm (its fastest); a deep recomputation's
+        tail may run as one fused kernel, named last."""
         if op.recompute_of and op.algorithm.startswith(FUSED_RECOMPUTE):
-            node = self.fused[tuple(op.recompute_nodes)]
-            impl = build_op(self.graph, node, self.handles[op.stream])
-            return [(node, impl, [c for c, _ in impl.candidates].index(op.algorithm[len(FUSED_RECOMPUTE):]))]
+            return [self._fused(op.recompute_nodes, op.algorithm, op.stream)]
         names = op.recompute_nodes or [op.node]
         wanted = op.algorithm.split("+") if op.recompute_of else [op.algorithm]
+        tail = []  # a deep recomputation's tail that runs as one fused bn_apply kernel (its last `a+b` part)
+        if op.recompute_of and len(wanted) < len(names) and wanted[-1].startswith(FUSED_RECOMPUTE):
+            tail = [self._fused(names[len(wanted) - 1:], wanted[-1], op.stream)]
+            names, wanted = names[:len(wanted) - 1], wanted[:-1]
         built = []
         for name, algorithm in zip(names, wanted if len(wanted) == len(names) else [None] * len(names)):
             node = self.nodes[name]
@@ -146,7 +149,13 @@ class Execution:
                 raise PlannerError(f"op {name!r}: the plan's algorithm {algorithm!r} does not build here "
                                    f"(this GPU builds {len(candidates)}: {', '.join(candidates[:3])}...)")
             built.append((node, impl, candidates.index(algorithm) if algorithm in candidates else 0))
-        return built
+        return built + tail
+
+    def _fused(self, names: list[str], algorithm: str, stream: int):
+        """(node, GPU op, candidate index) of the bn_apply kernel that runs the chain `names` as one."""
+        node = self.fused[tuple(names)]
+        impl = build_op(self.graph, node, self.handles[stream])
+        return node, impl, [c for c, _ in impl.candidates].index(algorithm[len(FUSED_RECOMPUTE):])
 
     def array(self, key: tuple[str, int] | None, tensor: str):
         """The device array of `tensor` as plan item `key` sees it (None: before any item, a graph input)."""

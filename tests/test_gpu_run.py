@@ -85,14 +85,19 @@ def test_capped_training_plan_validates(tmp_path, recompute):
     assert any(c.what == "round_trip" for c in report.checks) == bool(plan.copies)
 
 
-def _every_path_plan(graph, profile, device):
-    """Each recomputable saved tensor recomputed, every other choosable one offloaded: the list schedule of
-    these decisions on four streams, as a plan."""
+def _every_path_plan(graph, profile, device, deep: bool = False):
+    """Each recomputable saved tensor recomputed (with `deep`, each that has a deep way that way), every other
+    choosable one offloaded: the list schedule of these decisions on four streams, as a plan."""
+    from planner.deep import with_deep
     from planner.heuristic import list_schedule
     from planner.problem import build_problem
     from planner.streams import build_plan
 
     p = build_problem(graph, profile)
+    if deep:
+        p = with_deep(p, {t for t, u in enumerate(p.tensors) if u.deep})
+        assert any(len(u.recompute_chain) > 2 and "conv" in {p.ops[o].kind for o in u.recompute_chain}
+                   for u in p.tensors if u.can_recompute)
     decision = {t: "recompute" if u.can_recompute else "offload" for t, u in enumerate(p.tensors) if u.choosable}
     recomputed = {p.ops[p.tensors[t].producer].kind for t, d in decision.items() if d == "recompute"}
     assert "conv" in recomputed and "offload" in decision.values()
@@ -116,6 +121,13 @@ def test_every_recomputation_and_offload_at_once_validates(tmp_path):
     these decisions, as a plan, validates on the GPU."""
     graph, profile, device = _profiled(tmp_path, True, batch=1024)  # every saved tensor of 1 MiB or more
     _run_and_check(graph, _every_path_plan(graph, profile, device), device)
+
+
+def test_every_deep_recomputation_at_once_validates(tmp_path):
+    """The same with every deep recomputation (planner.deep): a chain that re-runs a convolution, then its
+    BatchNormalization and ReLU as the fused kernel, from the convolution's input; it validates."""
+    graph, profile, device = _profiled(tmp_path, True, batch=1024)
+    _run_and_check(graph, _every_path_plan(graph, profile, device, deep=True), device)
 
 
 def test_a_plan_in_serial_form_validates(tmp_path):
