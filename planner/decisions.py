@@ -12,7 +12,7 @@ from planner.dag import sm_share
 from planner.memory_bounds import worst_cut
 from planner.heuristic import Outcome, Work, cost, interference_ticks, list_schedule
 from planner.problem import Problem
-from planner.schedule import Decision, Schedule, peak_memory, residency, timed
+from planner.schedule import Decision, Schedule, peaks_within, residency, timed
 
 LIST_SLACKS = (1.0, 1.1, 1.3, 1.5, 1.7, 2.0, 2.5, 3.0, float("inf"))  # how much slower an alternative the list
 # scheduler may take: a slower one that leaves SMs to a neighbour can shorten the whole (GoogLeNet training b32:
@@ -190,14 +190,25 @@ def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float, max_e
         fitted = fit_cap(with_copy_margin(p, margin), cap_bytes, streams, max_evals, slack, work, refined, reserve)
         if fitted is None:
             continue
-        for other in LIST_SLACKS:
-            out = list_schedule(p, cap_bytes, streams, fitted.schedule.decision, other, work, fitted.reserve)
-            if out.fits and (best is None or cost(p, out.schedule) < cost(p, best.schedule)):
-                if peak_memory(p, out.schedule.decision, timed(p, out.schedule))[0] <= cap_bytes:
-                    best = out
+        out = shortest_at_slacks(p, cap_bytes, streams, fitted.schedule.decision, work, fitted.reserve)
+        if out is not None and (best is None or cost(p, out.schedule) < cost(p, best.schedule)):
+            best = out
         if not fitted.schedule.decision:
             break  # the cap does not bind (nothing offloaded or recomputed): the margin changes nothing
     return best.schedule if best else None
+
+
+def shortest_at_slacks(p: Problem, cap_bytes: int, streams: int, decision: dict[int, Decision],
+                       work: Work | None = None, reserve: bool = False) -> Outcome | None:
+    """The decisions list-scheduled at each of LIST_SLACKS: the cheapest that fits the cap (the first on ties),
+    checked again on the schedule's own residencies (`peaks_within`), or None."""
+    best = None
+    for slack in LIST_SLACKS:
+        out = list_schedule(p, cap_bytes, streams, decision, slack, work, reserve)
+        if out.fits and (best is None or cost(p, out.schedule) < cost(p, best.schedule)):
+            if peaks_within(p, out.schedule, cap_bytes):
+                best = out
+    return best
 
 
 def with_copy_margin(p: Problem, margin: float) -> Problem:

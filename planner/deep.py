@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from planner.decisions import LIST_SLACKS
+from planner.decisions import shortest_at_slacks
 from planner.heuristic import Work, cost, list_schedule
 from planner.problem import Problem
-from planner.schedule import Decision, Schedule, peak_memory, timed
+from planner.schedule import Decision, Schedule, peaks_within
 
 DEEP_EVALS = 300  # list schedules the search may take (GoogLeNet training b32 at 35%: 4.1 s of them)
 
@@ -56,7 +56,7 @@ def deep_recomputations(p: Problem, cap_bytes: int, streams: int, hint: Schedule
                     out = list_schedule(q, cap_bytes, streams, {**trial, w: how}, slack, work)
                     evals += 1
                     fitting += [out] if out.fits else []
-            fitting = [o for o in fitting if _within(q, o.schedule, cap_bytes)]
+            fitting = [o for o in fitting if peaks_within(q, o.schedule, cap_bytes)]
             cheapest = min(fitting, key=lambda o: cost(q, o.schedule), default=None)
             if cheapest is not None and cost(q, cheapest.schedule) < best_cost:
                 best, best_cost = (q, cheapest.schedule), cost(q, cheapest.schedule)
@@ -67,18 +67,11 @@ def deep_recomputations(p: Problem, cap_bytes: int, streams: int, hint: Schedule
     if best is None:
         return None
     q, schedule = best
-    for other in LIST_SLACKS:  # the decisions at every slack, as best_heuristic takes them
-        out = list_schedule(q, cap_bytes, streams, decision, other, work)
-        if out.fits and cost(q, out.schedule) < cost(q, schedule) and _within(q, out.schedule, cap_bytes):
-            schedule = out.schedule
-    return q, schedule
+    out = shortest_at_slacks(q, cap_bytes, streams, decision, work)  # as best_heuristic takes its decisions
+    return q, out.schedule if out is not None and cost(q, out.schedule) < cost(q, schedule) else schedule
 
 
 def _one_more(p: Problem, decision: dict[int, Decision]) -> list[tuple[int, Decision]]:
     return [(w, how) for w, wu in enumerate(p.tensors) if wu.choosable and w not in decision
             for how, can in (("offload", wu.can_offload), ("recompute", wu.can_recompute)) if can]
 
-
-def _within(q: Problem, s: Schedule, cap_bytes: int) -> bool:
-    """The schedule's own residencies peak within the cap (list_schedule's `fits` counts as it goes)."""
-    return peak_memory(q, s.decision, timed(q, s))[0] <= cap_bytes

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 from planner.heuristic import cost
 from planner.problem import Problem
-from planner.schedule import Schedule, peak_memory, timed
+from planner.schedule import Schedule, peaks_within
 from planner.window import Item, Memory, Move, Stop, apply, items_of, precedences, signature, solve_window
 from planner.window_memory import residencies
 
@@ -66,7 +66,7 @@ def _judged(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[
     trial = apply(s, items, move)
     if cost(p, trial) >= s_cost:
         return None
-    return trial, peak_memory(p, trial.decision, timed(p, trial))[0] <= cap_bytes
+    return trial, peaks_within(p, trial, cap_bytes)
 
 
 def _better(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[Item], move: Move | None

@@ -113,6 +113,11 @@ def peak_memory(p: Problem, decision: dict[int, Decision], tm: Timed) -> tuple[i
     return peak, at
 
 
+def peaks_within(p: Problem, s: Schedule, cap_bytes: int) -> bool:
+    """The schedule's own residencies peak within the cap (list_schedule's `fits` counts as it goes)."""
+    return peak_memory(p, s.decision, timed(p, s))[0] <= cap_bytes
+
+
 def loose_horizon(p: Problem) -> int:
     """Every op, copy and recomputation one after another at its slowest: no optimal schedule is longer."""
     total = sum(max(a.duration for a in o.alternatives) for o in p.ops)
