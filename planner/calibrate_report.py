@@ -19,12 +19,16 @@ from planner.report import RunReport
 def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[Path] | None,
                     write: list[Path] | None, console: Console) -> None:
     """Fit on the reports (with their plans and traces, in order), print the fit, write it to `write`."""
-    runs, copies, beside = _paired_runs(reports, plans, traces)
+    for what, given in (("--plan", plans), ("--trace", traces)):
+        if given and len(given) != len(reports):
+            raise PlannerError(f"{len(reports)} reports but {len(given)} {what} files")
+    runs, run_reports = _paired_runs(reports, plans)
     fingerprints = {r.plan.device_fingerprint for r in runs}
     modes = {"training" if r.plan.training else "inference" for r in runs}
     if len(fingerprints) > 1 or len(modes) > 1:
         raise PlannerError("the runs mix devices or training with inference; calibrate one device and mode at a time")
     mode = modes.pop()
+    copies, beside = _traced(runs, run_reports, traces)
     copy_slowdown = fit_copy_slowdown(copies)
     for r in runs:
         r.copy_slowdown = copy_slowdown
@@ -56,17 +60,19 @@ def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[
         console.print(f"calibration written to {path}")
 
 
-def _paired_runs(reports: list[Path], plans: list[Path] | None, traces: list[Path] | None) -> tuple[list, list, list]:
-    """(each report paired with its plan, the traced copies, the traced ops beside others)."""
-    for what, given in (("--plan", plans), ("--trace", traces)):
-        if given and len(given) != len(reports):
-            raise PlannerError(f"{len(reports)} reports but {len(given)} {what} files")
+def _paired_runs(reports: list[Path], plans: list[Path] | None) -> tuple[list, list[RunReport]]:
+    """(each report paired with its plan, the reports)."""
     runs, run_reports = [], []
     for k, path in enumerate(reports):
         report = load_model(RunReport, path)
         run_reports.append(report)
         runs.append(pair(report, load_model(Plan, plans[k] if plans else Path(report.plan_file)),
                          path.name.removesuffix(".json").removesuffix(".run")))
+    return runs, run_reports
+
+
+def _traced(runs: list, run_reports: list[RunReport], traces: list[Path] | None) -> tuple[list, list]:
+    """(the traced copies, the traced ops beside others), from each run's trace."""
     copies, beside = [], []
     for r, report, trace in zip(runs, run_reports, traces or []):
         try:
@@ -75,4 +81,4 @@ def _paired_runs(reports: list[Path], plans: list[Path] | None, traces: list[Pat
             beside += co_running(traced, r.plan, report)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise PlannerError(f"{trace}: not a readable trace ({e!r})") from None
-    return runs, copies, beside
+    return copies, beside

@@ -213,6 +213,17 @@ def test_a_trace_with_a_kernel_missing_its_duration_is_refused(solved, tmp_path)
     assert result.exit_code != 0 and "not a readable trace" in str(result.exception)
 
 
+def test_runs_of_two_modes_are_refused_before_their_traces_are_read(solved, offloading, tmp_path):
+    for name, plan in (("inference", solved[2]), ("training", offloading[3])):
+        save_model(plan, tmp_path / f"{name}.plan.json")
+        save_model(_report(plan, tmp_path / f"{name}.plan.json", plan.totals.makespan_us), tmp_path / f"{name}.json")
+        (tmp_path / f"{name}.trace.json").write_text("not json")
+    result = CliRunner().invoke(app, ["calibrate", *(str(tmp_path / f"{n}.json") for n in ("inference", "training")),
+                                      *(a for n in ("inference", "training")
+                                        for a in ("--trace", str(tmp_path / f"{n}.trace.json")))])
+    assert result.exit_code != 0 and "mix devices or training with inference" in str(result.exception)
+
+
 @pytest.mark.parametrize("capped", [False, True])
 def test_solve_offers_the_serial_plan_when_running_side_by_side_is_priced_dearer(solved, offloading, capped):
     """Ops on several streams pay the calibrated dispatch time, which stands in for their slowing each other; one
