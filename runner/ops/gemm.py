@@ -14,7 +14,7 @@ import math
 from functools import lru_cache
 
 from runner.gpu import gpu
-from runner.ops.common import SingleKernelOp, TensorSpec, broadcast_view, check_index_range, f32, i32, kernel, launch_1d
+from runner.ops.common import TensorSpec, broadcast_view, check_index_range, f32, i32, kernel, launch_1d
 
 WORKSPACE_CANDIDATES = {"cublas": 0, "cublas_workspace_32MiB": 32 << 20}
 CUDA_R_32F, CUDA_R_16F = 0, 2
