@@ -23,7 +23,7 @@ from planner.heuristic import fastest_alternatives
 from planner.ir import Graph
 from planner.plan import Plan
 from planner.problem import Problem
-from planner.schedule import Schedule, peak_memory, timed
+from planner.schedule import Schedule, peak_memory, peaks_within, timed
 
 
 def plan_alternatives(p: Problem, plan: Plan) -> list[int]:
@@ -96,7 +96,7 @@ def serial_form(p: Problem, plan: Plan, cap_bytes: int) -> Schedule | None:
     workspace = lambda i, a: p.ops[i].alternatives[a].workspace_bytes  # noqa: E731
     for wait_out in (False, True):
         own_form = serialized(p, plan, own, wait_out)
-        if peak_memory(p, own_form.decision, timed(p, own_form))[0] > cap_bytes:
+        if not peaks_within(p, own_form, cap_bytes):
             continue
         alt = fastest_alternatives(p)
         while True:
