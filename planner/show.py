@@ -33,6 +33,28 @@ def _label(it) -> str:
     return f"{it.direction} {it.tensor}"
 
 
+def sm_time_us(plan: Plan) -> dict[str, float]:
+    """The makespan split by what the SMs do, in us of the whole GPU (time x SM share): at every instant the
+    running items' SM shares and the idle share sum to 1, so the parts sum to the makespan. On several streams
+    the ops' part splits into the `sm_work` bound (each op on its least-area algorithm) and what the chosen
+    algorithms take beyond it: with the idle SMs, that is what a plan spends above its SM work. A one-stream
+    plan prices its ops apart from that bound (one-stream dispatch), so there it stays whole."""
+    def area(ops) -> float:
+        return sum((o.end_us - o.start_us) * o.sm_fraction for o in ops)
+
+    ops = area(o for o in plan.ops if not o.recompute_of)
+    recomputations = area(o for o in plan.ops if o.recompute_of)
+    least = plan.totals.bounds_us.get("sm_work")
+    parts = ({"least-area work": least, "wider algorithms": ops - least}
+             if least is not None and plan.compute_streams > 1 else {"ops' work": ops})
+    return {**parts, "recomputations": recomputations, "idle SMs": plan.totals.makespan_us - ops - recomputations}
+
+
+def sm_time_text(plan: Plan) -> str:
+    return f"{plan.totals.makespan_us:.1f} us = " + " + ".join(f"{round(v, 1) + 0.0:.1f} {k}"  # no -0.0
+                                                               for k, v in sm_time_us(plan).items())
+
+
 def print_timeline(plan: Plan, console: Console, ops_per_stream: int = 12) -> None:
     """A bar per stream (█ busy, · idle) on one time axis, then each stream's items."""
     t = plan.totals
@@ -41,6 +63,8 @@ def print_timeline(plan: Plan, console: Console, ops_per_stream: int = 12) -> No
                   f"{plan.dtype}: {t.predicted_us:.1f} us predicted (baseline {t.baseline_makespan_us:.1f} us), "
                   f"peak {t.peak_bytes / 2**20:.1f} MiB of {t.mem_cap_bytes / 2**20:.1f} MiB"
                   + (" [yellow](ESTIMATED profile)[/]" if plan.estimated else ""))
+    console.print(f"where the makespan goes, in us of all the SMs: {sm_time_text(plan)}; lower bound "
+                  f"{t.lower_bound_us:.1f} us, gap {t.gap:.1%}")
     by_stream = _items_by_stream(plan)
     width = max(BAR_MIN_WIDTH, console.width - 20)
     for stream, items in by_stream.items():

@@ -45,6 +45,8 @@ def solve_one(graph, prof, cap: int, options, sweeping: bool, target: Path, cons
 
 
 def print_plan_summary(plan, console: Console) -> None:
+    from planner.show import sm_time_text
+
     t = plan.totals
     table = Table(show_header=False, title=f"plan for {plan.model_name} b{plan.batch} {plan.dtype}"
                   + (" [yellow](ESTIMATED profile)[/]" if plan.estimated else ""), title_justify="left")
@@ -62,6 +64,7 @@ def print_plan_summary(plan, console: Console) -> None:
         ("lower bound, gap", f"{t.lower_bound_us:.1f} us ("
                              + ", ".join(f"{k} {v:.1f}" for k, v in t.bounds_us.items() if v > 0)
                              + f"), gap {t.gap:.1%}"),  # memory_cut is 0 where the cap forces nothing off at any cut
+        ("makespan by SM share", sm_time_text(plan)),
         ("solver", f"{t.status} in {t.solve_time_s:.1f} s (first valid plan after {t.first_plan_s:.1f} s)"),
     ]
     rows += [("simplified", s) for s in t.simplifications]

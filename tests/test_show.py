@@ -1,0 +1,50 @@
+"""`planner show`: the per-stream timeline and where a plan's makespan goes by SM share."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.files import load_model
+from planner.plan import Plan
+from planner.show import sm_time_us
+
+PLANS = Path(__file__).parent.parent / "plans"
+
+
+def _idle_sm_us(plan: Plan) -> float:
+    """The idle SM share integrated over the makespan, by a sweep over the ops' starts and ends."""
+    events = sorted([(o.start_us, o.sm_fraction) for o in plan.ops] + [(o.end_us, -o.sm_fraction) for o in plan.ops])
+    idle, share, at = 0.0, 0.0, 0.0
+    for t, change in events:
+        idle += (t - at) * max(0.0, 1.0 - share)
+        share, at = share + change, t
+    return idle + (plan.totals.makespan_us - at)
+
+
+@pytest.mark.parametrize("name", ["googlenet.train.b32.fp16.cap50", "googlenet.train.b32.fp16.full",
+                                  "resnet50.train.b32.fp16.cap50"])
+def test_the_parts_sum_to_the_makespan_and_idle_is_what_the_sms_leave(name):
+    plan = load_model(Plan, PLANS / f"{name}.json")
+    parts = sm_time_us(plan)
+    assert sum(parts.values()) == pytest.approx(plan.totals.makespan_us)
+    assert parts["idle SMs"] == pytest.approx(_idle_sm_us(plan), abs=0.01)
+    assert (parts["recomputations"] > 0) == (plan.totals.recomputed_bytes > 0)
+    if plan.compute_streams > 1:
+        assert parts["least-area work"] == plan.totals.bounds_us["sm_work"]
+        assert parts["wider algorithms"] >= 0
+    else:  # one stream: its ops are priced apart from the bound's
+        assert "least-area work" not in parts and parts["ops' work"] > 0
+
+
+def test_show_prints_the_split_and_each_stream():
+    path = PLANS / "googlenet.train.b32.fp16.cap50.json"
+    out = subprocess.run([sys.executable, "-m", "planner.cli", "show", path], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    parts = sm_time_us(load_model(Plan, path))
+    assert f"{parts['idle SMs']:.1f} idle SMs" in out.stdout
+    assert f"{parts['recomputations']:.1f} recomputations" in out.stdout
+    assert "compute 0" in out.stdout and "copy h2d" in out.stdout
