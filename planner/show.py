@@ -107,11 +107,28 @@ def _save(fig, path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def sm_share_in_use(plan: Plan) -> list[tuple[float, float]]:
+    """(time_us, SM share the running ops and recomputations take from then on) at every change."""
+    deltas: dict[float, float] = {}
+    for op in plan.ops:
+        deltas[op.start_us] = deltas.get(op.start_us, 0.0) + op.sm_fraction
+        deltas[op.end_us] = deltas.get(op.end_us, 0.0) - op.sm_fraction
+    level, out = 0.0, []
+    for t in sorted(deltas):
+        level += deltas[t]
+        out.append((t, max(0.0, level)))
+    return out
+
+
 def draw_timeline(plan: Plan, path: Path) -> None:
-    """Gantt chart: one row per stream, ops coloured by phase of work, copies and recomputations apart."""
+    """Gantt chart: one row per stream, ops, recomputations and copies apart; below it the SM share in use and
+    the device memory against the cap, on the same time axis."""
+    from planner.export_trace import memory_counter
+
     plt = _pyplot()
     by_stream = _items_by_stream(plan)
-    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.5 * len(by_stream)))
+    fig, (ax, sms, mem) = plt.subplots(3, 1, sharex=True, figsize=(14, 3.6 + 0.5 * len(by_stream)),
+                                       gridspec_kw={"height_ratios": [max(2, len(by_stream)), 1.3, 1.3]})
     for row, (stream, items) in enumerate(by_stream.items()):
         for it in items:
             colour = ("tab:orange" if not hasattr(it, "node") else "tab:red" if it.recompute_of
@@ -120,9 +137,21 @@ def draw_timeline(plan: Plan, path: Path) -> None:
                            edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(len(by_stream)), [_stream_name(plan, s) for s in by_stream])
     ax.invert_yaxis()
-    ax.set_xlabel("time (us)")
     ax.set_title(f"{plan.model_name} b{plan.batch} {plan.dtype}: {plan.totals.makespan_us:.0f} us, "
                  f"peak {plan.totals.peak_bytes / 2**20:.0f} MiB (blue ops, red recomputations, orange copies)")
+    times, shares = zip(*sm_share_in_use(plan)) if plan.ops else ((0.0,), (0.0,))
+    sms.fill_between(times, shares, step="post", color="tab:blue", alpha=0.6, linewidth=0)
+    sms.set_ylim(0, 1.05)
+    sms.set_ylabel("SM share")
+    sms.set_title(f"SMs in use; idle: {sm_time_us(plan)['idle SMs']:.0f} us of all the SMs", fontsize=9, loc="left")
+    levels = [(0.0, 0), *memory_counter(plan)]
+    mem.step([t for t, _ in levels], [(plan.totals.resident_bytes + b) / 2**20 for _, b in levels], where="post",
+             color="tab:green")
+    mem.axhline(plan.totals.mem_cap_bytes / 2**20, color="tab:red", linestyle="--", linewidth=0.8, label="cap")
+    mem.set_ylabel("MiB")
+    mem.set_title("device memory (resident bytes, tensors and workspaces)", fontsize=9, loc="left")
+    mem.legend(loc="upper right", fontsize=8)
+    mem.set_xlabel("time (us)")
     _save(fig, path)
     plt.close(fig)
 

@@ -9,7 +9,8 @@ import pytest
 
 from planner.files import load_model
 from planner.plan import Plan
-from planner.show import sm_time_us
+from planner.export_trace import memory_counter
+from planner.show import draw_timeline, sm_share_in_use, sm_time_us
 
 PLANS = Path(__file__).parent.parent / "plans"
 
@@ -48,3 +49,17 @@ def test_show_prints_the_split_and_each_stream():
     assert f"{parts['idle SMs']:.1f} idle SMs" in out.stdout
     assert f"{parts['recomputations']:.1f} recomputations" in out.stdout
     assert "compute 0" in out.stdout and "copy h2d" in out.stdout
+
+
+@pytest.mark.parametrize("name", ["googlenet.train.b32.fp16.cap50", "resnet50.train.b32.fp16.cap30"])
+def test_the_drawn_curves_stay_within_the_sms_and_peak_at_the_plans_peak(name):
+    plan = load_model(Plan, PLANS / f"{name}.json")
+    assert max(share for _, share in sm_share_in_use(plan)) <= 1.0 + 1e-9
+    assert plan.totals.resident_bytes + max(b for _, b in memory_counter(plan)) == plan.totals.peak_bytes
+
+
+def test_the_timeline_png_is_written_whole(tmp_path):
+    pytest.importorskip("matplotlib")
+    draw_timeline(load_model(Plan, PLANS / "googlenet.train.b32.fp16.cap50.json"), tmp_path / "t.png")
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["t.png"]
