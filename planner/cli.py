@@ -254,10 +254,10 @@ def check(plan_file: Path = typer.Argument(..., metavar="PLAN", help="plan JSON 
                   f"{fmt_bytes(plan.totals.mem_cap_bytes)})")
     if not report.ok:
         for v in report.violations[:20]:
-            err_console.print(f"violation: {v}")
+            err_console.print(f"violation: {v}", highlight=False, soft_wrap=True)
         raise PlannerError(f"{len(report.violations)} violations in {plan_file}")
-    console.print(f"[green]ok[/]: {len(plan.ops)} ops, {len(plan.copies)} copies on "
-                  f"{plan.compute_streams} compute streams; every rule holds")
+    streams = f"{plan.compute_streams} compute stream" + ("s" if plan.compute_streams != 1 else "")
+    console.print(f"[green]ok[/]: {len(plan.ops)} ops, {len(plan.copies)} copies on {streams}; every rule holds")
 
 
 @app.command()

@@ -34,7 +34,7 @@ def solve_one(graph, prof, cap: int, options, sweeping: bool, target: Path, cons
             save_model(plan, target)
             written[:] = [plan.totals.predicted_us]
             live.console.print(f"first valid plan after {plan.totals.first_plan_s:.1f} s: "
-                               f"{plan.totals.predicted_us:.1f} us, written to {target}; searching on")
+                               f"{plan.totals.predicted_us:.1f} us, written to {target}; searching on", soft_wrap=True)
         try:
             return solve_plan(graph, prof, cap, options, progress, first)
         except CapTooSmall as e:

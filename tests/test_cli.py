@@ -75,3 +75,37 @@ def test_unsupported_op_exit_code_2(tmp_path):
     onnx.save(helper.make_model(g), tmp_path / "m.onnx")
     out = planner("inspect", tmp_path / "m.onnx")
     assert out.returncode == 2 and "Tanh" in out.stderr and "t1" in out.stderr
+
+
+def _tampered(tmp_path, change) -> Path:
+    plan = json.loads((Path(__file__).parent.parent / "plans" / "googlenet.train.b32.fp16.cap50.json").read_text())
+    change(plan)
+    path = tmp_path / "tampered.json"
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def _drop_a_cross_stream_wait(plan):
+    stream = {o["node"]: o["stream"] for o in plan["ops"] if not o["recompute_of"]}
+    op = next(o for o in plan["ops"] if o["wait_events"] and any(stream[d] != o["stream"] for d in o["deps"]))
+    op["wait_events"] = []
+
+
+def _cap_below_the_peak(plan):
+    plan["totals"]["mem_cap_bytes"] = plan["totals"]["peak_bytes"] - 2**20
+
+
+def _a_longer_op(plan):
+    plan["ops"][5]["end_us"] += 50.0
+
+
+@pytest.mark.parametrize("change, rule", [(_drop_a_cross_stream_wait, "before its dependency"),
+                                          (_cap_below_the_peak, "exceeds the cap"),
+                                          (_a_longer_op, "differs from the simulated")])
+def test_check_rejects_a_tampered_plan_naming_each_violation_on_one_line(tmp_path, change, rule):
+    assert planner("check", MODELS.parent.parent / "plans" / "googlenet.train.b32.fp16.cap50.json").returncode == 0
+    out = planner("check", _tampered(tmp_path, change))
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert any(rule in line for line in lines if line.startswith("violation: ")), lines
+    assert lines[-1].startswith("error: ") and "violations in" in lines[-1]
