@@ -198,7 +198,7 @@ def solve(
     concat: Concat = typer.Option(Concat.auto, "--concat", help="concats whose producers could write into their "
                                   "channel slices: auto (views where the uncapped list schedule is faster), view, "
                                   "copy"),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="plan file (default plans/MODEL.bN.DTYPE.json)"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="plan file (default plans/MODEL.train|infer.bN.DTYPE.json)"),
     png: Optional[Path] = typer.Option(None, "--png", help="with several caps: the trade-off chart"),
 ):
     """Choose algorithms, streams, offloads and recomputations under a memory cap with CP-SAT."""
@@ -218,7 +218,8 @@ def solve(
     options = Options(streams=streams, time_limit_s=time_limit, workers=workers, seed=seed, baseline=baseline,
                       dram=dram, concat=concat.value, deterministic=deterministic)
     mode = "train" if graph.training else "infer"
-    stem = f"{graph.model_name}.{mode}.b{graph.batch}.{graph.dtype}" + (".baseline" if baseline else "")
+    name = graph.model_name if graph.model_name.split(".")[-1] == mode else f"{graph.model_name}.{mode}"
+    stem = f"{name}.b{graph.batch}.{graph.dtype}" + (".baseline" if baseline else "")  # googlenet.train.onnx: once
     rows = []
     for cap in caps:
         target = out if out and len(caps) == 1 else (out.with_suffix(f".{cap >> 20}MiB.json") if out else

@@ -74,15 +74,17 @@ def print_plan_summary(plan, console: Console) -> None:
 
 
 def print_tradeoff(rows, graph, png: Path | None, console: Console) -> None:
-    table = Table("cap", "predicted time", "vs baseline", "peak", "offloaded", "recomputed", "status",
+    """One row per cap, in MiB and us so that it fits 80 columns; each plan's whole status is in its file."""
+    table = Table("cap MiB", "time us", "speed-up", "peak MiB", "offload MiB", "recompute MiB", "solved by",
                   title=f"time against memory: {graph.model_name} b{graph.batch} {graph.dtype}", title_justify="left")
+    mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     for cap, plan in rows:
         if plan is None:
-            table.add_row(fmt_bytes(cap), "no plan", "", "", "", "", "cap too small")
+            table.add_row(mib(cap), "no plan", "", "", "", "", "cap too small")
             continue
         t = plan.totals
-        table.add_row(fmt_bytes(cap), f"{t.predicted_us:.1f} us", f"{t.baseline_makespan_us / t.predicted_us:.2f}x",
-                      fmt_bytes(t.peak_bytes), fmt_bytes(t.offloaded_bytes), fmt_bytes(t.recomputed_bytes), t.status)
+        table.add_row(mib(cap), f"{t.predicted_us:.1f}", f"{t.baseline_makespan_us / t.predicted_us:.2f}x",
+                      mib(t.peak_bytes), mib(t.offloaded_bytes), mib(t.recomputed_bytes), t.status.split(";")[0])
     console.print(table)
     if png is not None:
         from planner.show import draw_tradeoff

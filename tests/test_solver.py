@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -384,6 +385,19 @@ def test_the_sweeps_first_cap_is_what_the_serial_plan_takes_on_the_device(tmp_pa
                                       "h100", "--sweep", "--time-limit", "0", "-o", str(tmp_path / "p.json")])
     assert (tmp_path / f"p.{full >> 20}MiB.json").exists(), result.output
     assert "time against memory" in result.output
+
+
+def test_a_training_models_default_plan_name_says_train_once(tmp_path, monkeypatch):
+    """googlenet.train.onnx solved for training goes to plans/googlenet.train.b1.fp16.json, as the shipped plans
+    are named, not googlenet.train.train...; a sweep's table fits 80 columns with each plan's status cut short."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["solve", str(MODELS / "googlenet.train.onnx"), "--train", "--dtype", "fp16",
+                                      "--analytic", "h100", "--time-limit", "0", "--mem", "90%,100%"])
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in (tmp_path / "plans").iterdir())
+    assert len(names) == 2 and all(n.startswith("googlenet.train.b1.fp16.") for n in names), names
+    status = json.loads((tmp_path / "plans" / names[0]).read_text())["totals"]["status"]
+    assert ";" in status and "concats as views" in status and "concats as views" not in result.output
 
 
 def test_the_summary_leaves_out_bounds_that_hold_nowhere(tmp_path):
