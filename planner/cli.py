@@ -198,7 +198,8 @@ def solve(
     concat: Concat = typer.Option(Concat.auto, "--concat", help="concats whose producers could write into their "
                                   "channel slices: auto (views where the uncapped list schedule is faster), view, "
                                   "copy"),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="plan file (default plans/MODEL.train|infer.bN.DTYPE.json)"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o",
+                                       help="plan file (default plans/MODEL.train|infer.bN.DTYPE.json)"),
     png: Optional[Path] = typer.Option(None, "--png", help="with several caps: the trade-off chart"),
 ):
     """Choose algorithms, streams, offloads and recomputations under a memory cap with CP-SAT."""
