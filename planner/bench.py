@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from rich.console import Console
 
+from planner.devices import require_gpu
 from planner.files import FORMAT_VERSION, PlannerError, load_model
 from planner.ir import Graph
 from planner.memsize import fmt_bytes, parse_size
@@ -216,7 +217,8 @@ def fmt_us(t: float) -> str:
 
 def bench_on_gpu(load: Callable[[int, str], Graph], settings: Settings, console: Console) -> BenchReport:
     """Every (dtype, batch) configuration of the model that `load(batch, dtype)` imports, timed on this GPU."""
-    cp, cudnn_version = _require_gpu()
+    stack = require_gpu("bench")
+    cp, cudnn_version = stack.cp, str(stack.cudnn.backend_version())
     from runner.probe import probe_device
     from runner.torch_peer import TF32, setup, torch_missing
 
@@ -236,23 +238,6 @@ def bench_on_gpu(load: Callable[[int, str], Graph], settings: Settings, console:
     add_ratios(rows)
     return BenchReport(environment=env, rounds=settings.rounds, iterations_per_round=settings.iterations, rows=rows,
                        checks=equivalence_checks(rows), notes=notes)
-
-
-def _require_gpu():
-    """CuPy and a CUDA device, or one line that says what is missing."""
-    try:
-        from runner.gpu import gpu
-
-        stack = gpu()
-        count = stack.cp.cuda.runtime.getDeviceCount()
-    except ImportError as e:
-        raise PlannerError(f"bench runs on an NVIDIA GPU and needs the GPU extra (pip install -e '.[gpu]'): {e}") \
-            from None
-    except Exception as e:  # noqa: BLE001 - no driver, no device: one line, no traceback
-        raise PlannerError(f"bench needs a CUDA GPU: {type(e).__name__}: {str(e)[:160]}") from None
-    if count < 1:
-        raise PlannerError("bench needs a CUDA GPU: none found")
-    return stack.cp, str(stack.cudnn.backend_version())
 
 
 def _bench_config(graph: Graph, device, s: Settings, with_torch: bool, console: Console,

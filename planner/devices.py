@@ -83,3 +83,20 @@ def load_device(spec: str | Path) -> DeviceInfo:
     if device.peak_dram_bytes_per_s <= 0 or device.peak_flops_fp32 <= 0:
         raise PlannerError(f"{path}: the analytic model needs peak_dram_bytes_per_s and peak_flops_fp32 > 0")
     return device
+
+
+def require_gpu(purpose: str):
+    """The runner's GPU stack (CuPy and cuDNN) with a CUDA device to use, or one line that says what is missing:
+    `purpose` names the command ("measuring", "running", "bench")."""
+    try:
+        from runner.gpu import gpu
+
+        stack = gpu()
+        count = stack.cp.cuda.runtime.getDeviceCount()
+    except ImportError as e:
+        raise PlannerError(f"{purpose} needs the GPU extra (pip install -e '.[gpu]'): {e}") from None
+    except Exception as e:  # noqa: BLE001 - no driver, no device: one line, no traceback
+        raise PlannerError(f"{purpose} needs a CUDA GPU: {type(e).__name__}: {str(e)[:160]}") from None
+    if count < 1:
+        raise PlannerError(f"{purpose} needs a CUDA GPU: none found")
+    return stack

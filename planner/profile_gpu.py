@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from planner.devices import require_gpu
 from planner.files import PlannerError
 from planner.ir import Graph
 from planner.profile import Candidate, Profile
@@ -18,10 +19,11 @@ from planner.store import ProfileStore, profile_graph, profiled_nodes
 
 def _runner():
     try:
-        from runner import profiler
-    except ImportError as e:
-        raise PlannerError(f"measuring needs the GPU extra (pip install -e '.[gpu]'): {e}; "
-                           "without a GPU use --analytic h100") from None
+        require_gpu("measuring")
+    except PlannerError as e:
+        raise PlannerError(f"{e}; without a GPU use --analytic h100") from None
+    from runner import profiler
+
     return profiler
 
 

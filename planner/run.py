@@ -9,6 +9,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from planner.devices import require_gpu
 from planner.files import PlannerError
 from planner.ir import Graph
 from planner.memsize import fmt_bytes
@@ -56,14 +57,10 @@ def require_runnable(plan: Plan, device) -> None:
 
 def run_on_gpu(graph: Graph, plan: Plan, plan_file: Path, iterations: int, eager: bool, check: bool,
                weights: Path | None, on_trace: Callable[[dict], None] | None = None) -> RunReport:
-    try:
-        from runner.gpu import gpu
-        from runner.probe import probe_device
-        from runner.replay import run_plan
+    require_gpu("running")
+    from runner.probe import probe_device
+    from runner.replay import run_plan
 
-        gpu()
-    except ImportError as e:
-        raise PlannerError(f"running needs the GPU extra (pip install -e '.[gpu]'): {e}") from None
     device = probe_device()
     require_runnable(plan, device)
     parameters = onnx_weights(weights, graph) if weights else None

@@ -109,3 +109,17 @@ def test_check_rejects_a_tampered_plan_naming_each_violation_on_one_line(tmp_pat
     lines = out.stderr.strip().splitlines()
     assert any(rule in line for line in lines if line.startswith("violation: ")), lines
     assert lines[-1].startswith("error: ") and "violations in" in lines[-1]
+
+
+@pytest.mark.parametrize("args", [("profile", MODELS / "googlenet.onnx", "--batch", 1),
+                                  ("run", MODELS.parent.parent / "plans" / "googlenet.infer.b1.fp16.json", "--model",
+                                   MODELS / "googlenet.onnx")])
+def test_without_a_gpu_profile_and_run_fail_in_one_line(args, tmp_path):
+    from conftest import gpu_missing_reason
+
+    if gpu_missing_reason() is None:
+        pytest.skip("this machine has a GPU: the command would run")
+    out = planner(*args, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr + out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1 and "GPU" in out.stderr
+    assert not any(tmp_path.iterdir())  # no store, no report: nothing half-made
