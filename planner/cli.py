@@ -412,16 +412,30 @@ def export(
     console.print(f"PyTorch module written to {out}: PlannedNet({str(model)!r}) runs the plan's streams and events")
 
 
+def _is(e: Exception, click_class: str) -> bool:
+    """Whether e is one of click's exceptions, whether typer vendors click or not."""
+    return any(c.__name__ == click_class for c in type(e).__mro__)
+
+
 def main() -> None:
-    """Usage errors are reported by typer; errors in the user's files or options are one line and exit non-zero."""
+    """Errors in the user's command line, files or options are one line and exit non-zero (usage errors 2)."""
     try:
-        app()
+        code = app(standalone_mode=False)
     except PlannerError as e:
         err_console.print(Text("error: ", style="red") + Text(str(e)), highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
+    except Exception as e:
+        if not _is(e, "ClickException"):
+            raise
+        if type(e).__name__ != "NoArgsIsHelpError":  # `planner` alone: the help it printed is the answer
+            where = e.ctx.command_path if _is(e, "UsageError") and e.ctx else ""
+            err_console.print(Text("error: ", style="red") + Text(e.format_message())
+                              + Text(f" (see {where} --help)" if where else ""), highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

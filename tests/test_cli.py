@@ -123,3 +123,22 @@ def test_without_a_gpu_profile_and_run_fail_in_one_line(args, tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr + out.stdout
     assert len(out.stderr.strip().splitlines()) == 1 and "GPU" in out.stderr
     assert not any(tmp_path.iterdir())  # no store, no report: nothing half-made
+
+
+@pytest.mark.parametrize("args, words", [
+    (("solve",), "Missing argument"),
+    (("solve", MODELS / "googlenet.onnx", "--batch", 0), "--batch"),
+    (("solve", MODELS / "googlenet.onnx", "--no-such-option"), "No such option"),
+    (("export", MODELS / "googlenet.onnx", "--to", "png", "-o", "x"), "--to"),
+    (("no-such-command",), "No such command"),
+])
+def test_usage_errors_are_one_line_naming_the_help_to_read(args, words):
+    out = planner(*args)
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and lines[0].endswith("--help)"), lines
+
+
+def test_planner_alone_prints_its_help():
+    out = planner()
+    assert "solve" in out.stdout and "profile" in out.stdout and out.stderr == ""
