@@ -219,7 +219,7 @@ def solve(
     options = Options(streams=streams, time_limit_s=time_limit, workers=workers, seed=seed, baseline=baseline,
                       dram=dram, concat=concat.value, deterministic=deterministic)
     mode = "train" if graph.training else "infer"
-    name = graph.model_name if graph.model_name.split(".")[-1] == mode else f"{graph.model_name}.{mode}"
+    name = graph.model_name if mode in graph.model_name.split(".") else f"{graph.model_name}.{mode}"
     stem = f"{name}.b{graph.batch}.{graph.dtype}" + (".baseline" if baseline else "")  # googlenet.train.onnx: once
     rows = []
     for cap in caps:
