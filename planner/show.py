@@ -9,6 +9,7 @@ from rich.table import Table
 
 from planner.files import PlannerError, atomic_write_bytes
 from planner.plan import Plan
+from planner.training import LOSS_OP
 
 BAR_MIN_WIDTH = 20
 
@@ -33,26 +34,39 @@ def _label(it) -> str:
     return f"{it.direction} {it.tensor}"
 
 
-def sm_time_us(plan: Plan) -> dict[str, float]:
-    """The makespan split by what the SMs do, in us of the whole GPU (time x SM share): at every instant the
-    running items' SM shares and the idle share sum to 1, so the parts sum to the makespan. On several streams
-    the ops' part splits into the `sm_work` bound (each op on its least-area algorithm) and what the chosen
-    algorithms take beyond it: with the idle SMs, that is what a plan spends above its SM work. A one-stream
-    plan prices its ops apart from that bound (one-stream dispatch), so there it stays whole."""
+def sm_time_us(plan: Plan, since_us: float = 0.0, until_us: float | None = None) -> dict[str, float]:
+    """The makespan (or the window [since_us, until_us)) split by what the SMs do, in us of the whole GPU (time x
+    SM share): at every instant the running items' SM shares and the idle share sum to 1, so the parts sum to the
+    window. Over the whole plan on several streams the ops' part splits into the `sm_work` bound (each op on its
+    least-area algorithm) and what the chosen algorithms take beyond it: with the idle SMs, that is what a plan
+    spends above its SM work. A one-stream plan prices its ops apart from that bound (one-stream dispatch), so
+    there, as in a window, it stays whole."""
+    until = plan.totals.makespan_us if until_us is None else until_us
+
     def area(ops) -> float:
-        return sum((o.end_us - o.start_us) * o.sm_fraction for o in ops)
+        return sum(max(0.0, min(o.end_us, until) - max(o.start_us, since_us)) * o.sm_fraction for o in ops)
 
     ops = area(o for o in plan.ops if not o.recompute_of)
     recomputations = area(o for o in plan.ops if o.recompute_of)
     least = plan.totals.bounds_us.get("sm_work")
+    whole = since_us == 0.0 and until_us is None
     parts = ({"least-area work": least, "wider algorithms": ops - least}
-             if least is not None and plan.compute_streams > 1 else {"ops' work": ops})
-    return {**parts, "recomputations": recomputations, "idle SMs": plan.totals.makespan_us - ops - recomputations}
+             if whole and least is not None and plan.compute_streams > 1 else {"ops' work": ops})
+    return {**parts, "recomputations": recomputations, "idle SMs": until - since_us - ops - recomputations}
 
 
-def sm_time_text(plan: Plan) -> str:
-    return f"{plan.totals.makespan_us:.1f} us = " + " + ".join(f"{round(v, 1) + 0.0:.1f} {k}"  # no -0.0
-                                                               for k, v in sm_time_us(plan).items())
+def passes_us(plan: Plan) -> list[tuple[str, float, float]]:
+    """A training plan's two passes, (name, start, end): before the loss and from the loss on; none otherwise."""
+    loss = next((o.start_us for o in plan.ops if o.node == LOSS_OP and not o.recompute_of), None)
+    if not plan.training or loss is None:
+        return []
+    return [("before the loss", 0.0, loss), ("from the loss on", loss, plan.totals.makespan_us)]
+
+
+def sm_time_text(plan: Plan, since_us: float = 0.0, until_us: float | None = None) -> str:
+    span = (plan.totals.makespan_us if until_us is None else until_us) - since_us
+    return f"{span:.1f} us = " + " + ".join(f"{round(v, 1) + 0.0:.1f} {k}"  # no -0.0
+                                            for k, v in sm_time_us(plan, since_us, until_us).items())
 
 
 def print_timeline(plan: Plan, console: Console, ops_per_stream: int = 12) -> None:
@@ -65,6 +79,8 @@ def print_timeline(plan: Plan, console: Console, ops_per_stream: int = 12) -> No
                   + (" [yellow](ESTIMATED profile)[/]" if plan.estimated else ""))
     console.print(f"where the makespan goes, in us of all the SMs: {sm_time_text(plan)}; lower bound "
                   f"{t.lower_bound_us:.1f} us, gap {t.gap:.1%}")
+    for name, since, until in passes_us(plan):
+        console.print(f"  {name}: {sm_time_text(plan, since, until)}")
     by_stream = _items_by_stream(plan)
     width = max(BAR_MIN_WIDTH, console.width - 20)
     for stream, items in by_stream.items():

@@ -13,6 +13,7 @@ from planner.ir import Graph, Node, Tensor, finalize
 
 LABELS = "labels"
 LOSS = "loss"
+LOSS_OP = "softmax_xent"  # the loss node: training plans split into the passes before it and from it on
 
 
 def grad_name(tensor: str) -> str:
@@ -103,7 +104,7 @@ class _Backward:
         self.tensors[LOSS] = Tensor(name=LOSS, shape=[], dtype="fp32", role="activation")
         probs = self.new_tensor(f"{logits}.probs", logits, role="activation")
         self.tensors[probs].dtype = "fp32"
-        self.emit("softmax_xent", [logits, LABELS], [LOSS, probs], {}, None, phase="loss", name="softmax_xent")
+        self.emit("softmax_xent", [logits, LABELS], [LOSS, probs], {}, None, phase="loss", name=LOSS_OP)
         d_logits = self.new_tensor(f"{grad_name(logits)}@softmax_xent", logits)
         self.emit("softmax_xent_bwd", [probs, LABELS], [d_logits], {"loss_scale": self.loss_scale}, None,
                   name="softmax_xent_bwd")

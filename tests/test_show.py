@@ -10,7 +10,7 @@ import pytest
 from planner.files import load_model
 from planner.plan import Plan
 from planner.export_trace import memory_counter
-from planner.show import draw_timeline, sm_share_in_use, sm_time_us
+from planner.show import draw_timeline, passes_us, sm_share_in_use, sm_time_us
 
 PLANS = Path(__file__).parent.parent / "plans"
 
@@ -40,6 +40,24 @@ def test_the_parts_sum_to_the_makespan_and_idle_is_what_the_sms_leave(name):
         assert "least-area work" not in parts and parts["ops' work"] > 0
 
 
+@pytest.mark.parametrize("name", ["googlenet.train.b32.fp16.cap50", "resnet50.train.b32.fp16.cap30",
+                                  "googlenet.infer.b1.fp16"])
+def test_a_training_plan_splits_at_the_loss_into_two_passes_that_add_up(name):
+    plan = load_model(Plan, PLANS / f"{name}.json")
+    passes = passes_us(plan)
+    assert len(passes) == (2 if plan.training else 0)
+    if passes:
+        (_, a, b), (_, c, d) = passes
+        assert a == 0.0 and b == c and d == plan.totals.makespan_us
+        whole = sm_time_us(plan)
+        halves = [sm_time_us(plan, since, until) for _, since, until in passes]
+        for part in ("recomputations", "idle SMs"):
+            assert sum(h[part] for h in halves) == pytest.approx(whole[part])
+        ops_work = whole["least-area work"] + whole["wider algorithms"]
+        assert sum(h["ops' work"] for h in halves) == pytest.approx(ops_work)
+        assert halves[0]["recomputations"] == 0.0  # recomputations serve the backward pass
+
+
 def test_show_prints_the_split_and_each_stream():
     path = PLANS / "googlenet.train.b32.fp16.cap50.json"
     out = subprocess.run([sys.executable, "-m", "planner.cli", "show", path], capture_output=True, text=True,
@@ -48,6 +66,7 @@ def test_show_prints_the_split_and_each_stream():
     parts = sm_time_us(load_model(Plan, path))
     assert f"{parts['idle SMs']:.1f} idle SMs" in out.stdout
     assert f"{parts['recomputations']:.1f} recomputations" in out.stdout
+    assert "before the loss: " in out.stdout and "from the loss on: " in out.stdout
     assert "compute 0" in out.stdout and "copy h2d" in out.stdout
 
 
