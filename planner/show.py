@@ -168,6 +168,9 @@ def draw_timeline(plan: Plan, path: Path) -> None:
     mem.set_title("device memory (resident bytes, tensors and workspaces)", fontsize=9, loc="left")
     mem.legend(loc="upper right", fontsize=8)
     mem.set_xlabel("time (us)")
+    for panel in (ax, sms, mem):
+        for _, since, _ in passes_us(plan)[1:]:
+            panel.axvline(since, color="grey", linestyle=":", linewidth=0.8)  # the loss: backward pass from here
     _save(fig, path)
     plt.close(fig)
 
