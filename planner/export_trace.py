@@ -19,22 +19,23 @@ def _track_names(plan: Plan) -> dict[int, str]:
     return names
 
 
-def memory_counter(plan: Plan) -> list[tuple[float, int]]:
-    """(time_us, bytes on the device) at every change, from the residency intervals and op workspaces."""
-    deltas: dict[float, int] = {}
-    for r in plan.tensors:
-        for start, end in r.intervals_us:
-            deltas[start] = deltas.get(start, 0) + r.bytes
-            deltas[end] = deltas.get(end, 0) - r.bytes
-    for op in plan.ops:
-        if op.workspace_bytes:
-            deltas[op.start_us] = deltas.get(op.start_us, 0) + op.workspace_bytes
-            deltas[op.end_us] = deltas.get(op.end_us, 0) - op.workspace_bytes
+def step_levels(intervals) -> list[tuple[float, float]]:
+    """(time, level from then on) at every change of the sum of (start, end, amount) intervals."""
+    deltas: dict[float, float] = {}
+    for start, end, amount in intervals:
+        deltas[start] = deltas.get(start, 0) + amount
+        deltas[end] = deltas.get(end, 0) - amount
     level, out = 0, []
     for t in sorted(deltas):
         level += deltas[t]
         out.append((t, level))
     return out
+
+
+def memory_counter(plan: Plan) -> list[tuple[float, int]]:
+    """(time_us, bytes on the device) at every change, from the residency intervals and op workspaces."""
+    return step_levels([*((start, end, r.bytes) for r in plan.tensors for start, end in r.intervals_us),
+                        *((op.start_us, op.end_us, op.workspace_bytes) for op in plan.ops if op.workspace_bytes)])
 
 
 def plan_to_trace(plan: Plan) -> dict:

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.files import PlannerError, atomic_write_bytes
+from planner.export_trace import memory_counter, step_levels
 from planner.plan import Plan
 from planner.training import LOSS_OP
 
@@ -125,22 +126,13 @@ def _save(fig, path: Path) -> None:
 
 def sm_share_in_use(plan: Plan) -> list[tuple[float, float]]:
     """(time_us, SM share the running ops and recomputations take from then on) at every change."""
-    deltas: dict[float, float] = {}
-    for op in plan.ops:
-        deltas[op.start_us] = deltas.get(op.start_us, 0.0) + op.sm_fraction
-        deltas[op.end_us] = deltas.get(op.end_us, 0.0) - op.sm_fraction
-    level, out = 0.0, []
-    for t in sorted(deltas):
-        level += deltas[t]
-        out.append((t, max(0.0, level)))
-    return out
+    return [(t, max(0.0, share)) for t, share in step_levels((op.start_us, op.end_us, op.sm_fraction)
+                                                             for op in plan.ops)]
 
 
 def draw_timeline(plan: Plan, path: Path) -> None:
     """Gantt chart: one row per stream, ops, recomputations and copies apart; below it the SM share in use and
     the device memory against the cap, on the same time axis."""
-    from planner.export_trace import memory_counter
-
     plt = _pyplot()
     by_stream = _items_by_stream(plan)
     fig, (ax, sms, mem) = plt.subplots(3, 1, sharex=True, figsize=(14, 3.6 + 0.5 * len(by_stream)),
@@ -168,9 +160,9 @@ def draw_timeline(plan: Plan, path: Path) -> None:
     mem.set_title("device memory (resident bytes, tensors and workspaces)", fontsize=9, loc="left")
     mem.legend(loc="upper right", fontsize=8)
     mem.set_xlabel("time (us)")
-    for panel in (ax, sms, mem):
-        for _, since, _ in passes_us(plan)[1:]:
-            panel.axvline(since, color="grey", linestyle=":", linewidth=0.8)  # the loss: backward pass from here
+    for _, loss, _ in passes_us(plan)[1:]:  # the loss: the backward pass from here
+        for panel in (ax, sms, mem):
+            panel.axvline(loss, color="grey", linestyle=":", linewidth=0.8)
     _save(fig, path)
     plt.close(fig)
 

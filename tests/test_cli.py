@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 MODELS = Path(__file__).parent / "models"
+PLANS = Path(__file__).parent.parent / "plans"
 
 
 def planner(*args, cwd=None):
@@ -78,7 +79,7 @@ def test_unsupported_op_exit_code_2(tmp_path):
 
 
 def _tampered(tmp_path, change) -> Path:
-    plan = json.loads((Path(__file__).parent.parent / "plans" / "googlenet.train.b32.fp16.cap50.json").read_text())
+    plan = json.loads((PLANS / "googlenet.train.b32.fp16.cap50.json").read_text())
     change(plan)
     path = tmp_path / "tampered.json"
     path.write_text(json.dumps(plan))
@@ -103,7 +104,7 @@ def _a_longer_op(plan):
                                           (_cap_below_the_peak, "exceeds the cap"),
                                           (_a_longer_op, "differs from the simulated")])
 def test_check_rejects_a_tampered_plan_naming_each_violation_on_one_line(tmp_path, change, rule):
-    assert planner("check", MODELS.parent.parent / "plans" / "googlenet.train.b32.fp16.cap50.json").returncode == 0
+    assert planner("check", PLANS / "googlenet.train.b32.fp16.cap50.json").returncode == 0
     out = planner("check", _tampered(tmp_path, change))
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()
@@ -112,8 +113,7 @@ def test_check_rejects_a_tampered_plan_naming_each_violation_on_one_line(tmp_pat
 
 
 @pytest.mark.parametrize("args", [("profile", MODELS / "googlenet.onnx", "--batch", 1),
-                                  ("run", MODELS.parent.parent / "plans" / "googlenet.infer.b1.fp16.json", "--model",
-                                   MODELS / "googlenet.onnx")])
+                                  ("run", PLANS / "googlenet.infer.b1.fp16.json", "--model", MODELS / "googlenet.onnx")])
 def test_without_a_gpu_profile_and_run_fail_in_one_line(args, tmp_path):
     from conftest import gpu_missing_reason
 
