@@ -111,7 +111,7 @@ def profile(
     batch: int = BatchOpt,
     dtype: DType = DTypeOpt,
     train: bool = TrainOpt,
-    analytic: Optional[str] = typer.Option(None, "--analytic", help="estimate without a GPU: h100, a100, v100, "
+    analytic: Optional[str] = typer.Option(None, "--analytic", help="estimate without a GPU: h100, h200, a100, v100, "
                                                                      "k40, or a JSON device spec"),
     store: Path = typer.Option(DEFAULT_STORE, "--store", help="profile store directory"),
     force: bool = typer.Option(False, "--force", help="re-measure ops already in the store"),

@@ -1,7 +1,8 @@
 """Built-in device specs for the analytic profile, and JSON device spec files.
 
-Peak rates are the vendor's dense (no sparsity) figures; bandwidths the datasheet's. The H100's copy rates are
-measured ones (device-to-device counting read + write, pinned host copies), the others typical PCIe figures.
+Peak rates are the vendor's dense (no sparsity) figures; bandwidths the datasheet's. The H100's and H200's copy
+rates are measured ones (device-to-device counting read + write, pinned host copies, `runner.probe`), the others
+typical PCIe figures. The H200 is the H100's chip with more and faster memory: the same SMs and arithmetic peaks.
 Built-in specs have no cuDNN version, so their fingerprint says "analytic" and never matches a measured device.
 """
 
@@ -25,6 +26,14 @@ BUILTIN: dict[str, DeviceInfo] = {
         reserved_shared_mem_per_block_bytes=1024, peak_dram_bytes_per_s=3.35e12, peak_flops_fp32=66.9e12,
         peak_flops_tf32=494.7e12, peak_flops_fp16=989.4e12, d2d_bytes_per_s=3.0e12, h2d_bytes_per_s=45e9,
         d2h_bytes_per_s=45e9, copy_latency_us=8.0,
+    ),
+    "h200": DeviceInfo(
+        name="NVIDIA H200", sm_count=132, memory_bytes=143156 * MiB, sm_clock_mhz=1980,
+        memory_clock_mhz=3201, compute_capability="9.0", max_threads_per_sm=2048, max_blocks_per_sm=32,
+        registers_per_sm=65536, shared_mem_per_sm_bytes=233472, shared_mem_per_block_optin_bytes=232448,
+        reserved_shared_mem_per_block_bytes=1024, peak_dram_bytes_per_s=4.8e12, peak_flops_fp32=66.9e12,
+        peak_flops_tf32=494.7e12, peak_flops_fp16=989.4e12, d2d_bytes_per_s=3.98e12, h2d_bytes_per_s=55e9,
+        d2h_bytes_per_s=55e9, copy_latency_us=5.9,
     ),
     "a100": DeviceInfo(
         name="NVIDIA A100-SXM4-80GB", sm_count=108, memory_bytes=81920 * MiB, sm_clock_mhz=1410,
@@ -54,7 +63,7 @@ BUILTIN: dict[str, DeviceInfo] = {
 
 
 def load_device(spec: str | Path) -> DeviceInfo:
-    """A built-in name (h100, a100, v100, k40) or a JSON file: a full DeviceInfo, or {"base": NAME, ...overrides}."""
+    """A built-in name (h100, h200, a100, v100, k40) or a JSON file: a full DeviceInfo, or {"base": NAME, ...overrides}."""
     key = str(spec).lower()
     if key in BUILTIN:
         return BUILTIN[key].model_copy(deep=True)

@@ -247,7 +247,7 @@ def test_profile_round_trip(tmp_path):
 
 
 def test_devices(tmp_path):
-    assert set(BUILTIN) == {"h100", "a100", "v100", "k40"}
+    assert set(BUILTIN) == {"h100", "h200", "a100", "v100", "k40"}
     h100 = load_device("H100")
     assert h100.sm_count == 132 and h100.peak_dram_bytes_per_s == pytest.approx(3.35e12)
     assert "analytic" in h100.fingerprint
@@ -268,6 +268,18 @@ def test_devices(tmp_path):
     spec.write_text(json.dumps({"base": "h100", "peak_dram_bytes_per_s": 0}))
     with pytest.raises(PlannerError, match="needs peak"):
         load_device(spec)
+
+
+def test_h200_is_an_h100_with_faster_memory():
+    """Same SMs and peaks, more bandwidth: no conv candidate estimates slower on the H200, and a memory-bound ReLU
+    is faster by at most the bandwidth ratio."""
+    h200 = load_device("h200")
+    conv = conv_graph(n=32, c=256, h=28, w=28, k=256, dtype="fp16")
+    on_h100 = {c.name: c.time_us for c in candidates(conv)[1].candidates}
+    assert all(c.time_us <= on_h100[c.name] for c in candidates(conv, h200)[1].candidates)
+    relu = one_op_graph("relu", [[32, 256, 56, 56]], [[32, 256, 56, 56]], dtype="fp16")
+    fast, slow = (min(c.time_us for c in candidates(relu, d)[1].candidates) for d in (h200, H100))
+    assert slow * H100.peak_dram_bytes_per_s / h200.peak_dram_bytes_per_s <= fast < 0.9 * slow
 
 
 def test_describe_conv():
