@@ -149,17 +149,31 @@ def profile(
     print_summary(result, console)
 
 
-def _profile_for(graph, profile_path: Path, analytic: Optional[str]):
-    """A measured profile from a file or store directory; otherwise the analytic one, said out loud."""
+def _profile_for(graph, profile_path: Path, analytic: Optional[str], device_name: Optional[str] = None):
+    """A measured profile from a file or store directory (of the GPU named like `device_name`, or the first by
+    name, said out loud where the store holds several); otherwise the analytic one, said out loud."""
     from planner.files import load_model
     from planner.profile import Profile
-    from planner.store import measured_profile_for
+    from planner.store import measured_profiles_for
 
     if analytic is None and profile_path.is_file():
-        return load_model(Profile, profile_path, expect_graph_sha256=graph.graph_sha256)
-    measured = measured_profile_for(graph, profile_path) if analytic is None and profile_path.is_dir() else None
-    if measured is not None:
-        return measured
+        profile = load_model(Profile, profile_path, expect_graph_sha256=graph.graph_sha256)
+        if device_name and device_name.lower() not in profile.device.name.lower():
+            raise PlannerError(f"{profile_path} was measured on {profile.device.name}, not on a {device_name!r}")
+        return profile
+    measured = measured_profiles_for(graph, profile_path) if analytic is None and profile_path.is_dir() else []
+    if device_name:
+        held = ", ".join(p.device.name for p in measured) or "none"
+        measured = [p for p in measured if device_name.lower() in p.device.name.lower()]
+        if not measured:
+            raise PlannerError(f"{profile_path} holds no measured profile of this graph on a {device_name!r} GPU "
+                               f"(it holds: {held}); run `planner profile` on that GPU")
+    if measured:
+        if len(measured) > 1:
+            others = ", ".join(p.device.name for p in measured[1:])
+            console.print(f"measured on {measured[0].device.name} ({profile_path} also holds {others}: --device "
+                          "picks another)", soft_wrap=True)
+        return measured[0]
     from planner.analytic import estimate_profile
     from planner.devices import load_device
 
@@ -179,6 +193,8 @@ def solve(
     train: bool = TrainOpt,
     profile_path: Path = typer.Option(DEFAULT_STORE, "--profile", help="profile store directory or profile file"),
     analytic: Optional[str] = typer.Option(None, "--analytic", help="use the analytic profile of this device"),
+    device: Optional[str] = typer.Option(None, "--device", help="the measured GPU to plan for, part of its name "
+                                         "(H200): where the store holds several; default the first by name"),
     streams: int = typer.Option(4, "--streams", min=1, max=32, help="compute streams"),
     time_limit: float = typer.Option(60.0, "--time-limit", min=0, help="budget of the whole solve, heuristic and "
                                      "search, in seconds of a 2-core machine (counted from the work done, so plans "
@@ -209,7 +225,7 @@ def solve(
     from planner.stats import serial_peak_bytes
 
     graph = load_graph(model, batch, dtype, train)
-    prof = _profile_for(graph, profile_path, analytic)
+    prof = _profile_for(graph, profile_path, analytic, device)
     device_bytes = prof.device.memory_bytes
     if sweep:  # 100%: what the serial plan takes on the device, its peak laid out in the driver's pages
         peak = serial_peak_bytes(graph)

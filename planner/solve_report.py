@@ -48,7 +48,8 @@ def print_plan_summary(plan, console: Console) -> None:
     from planner.show import sm_time_text
 
     t = plan.totals
-    table = Table(show_header=False, title=f"plan for {plan.model_name} b{plan.batch} {plan.dtype}"
+    table = Table(show_header=False, title=f"plan for {plan.model_name} b{plan.batch} {plan.dtype} on "
+                  f"{plan.device_fingerprint.rsplit('-', 3)[0].replace('_', ' ')}"
                   + (" [yellow](ESTIMATED profile)[/]" if plan.estimated else ""), title_justify="left")
     rows = [
         ("predicted iteration time", f"{t.predicted_us:.1f} us" + (

@@ -231,12 +231,13 @@ def measured_stores(directory: str | os.PathLike) -> list[tuple[Path, DeviceInfo
     return out
 
 
-def measured_profile_for(graph: Graph, directory: str | os.PathLike) -> Profile | None:
-    """The graph's profile from the first measured store file in `directory` that holds every op, if any
-    (without a GPU there is no fingerprint to ask for, so each device's file is tried, in name order)."""
+def measured_profiles_for(graph: Graph, directory: str | os.PathLike) -> list[Profile]:
+    """The graph's profile from each measured store file in `directory` that holds every op, in name order
+    (without a GPU there is no fingerprint to ask for, so the caller picks among the devices)."""
+    out = []
     for _, device in measured_stores(directory):
         try:
-            return ProfileStore(directory, device).assemble(graph)
+            out.append(ProfileStore(directory, device).assemble(graph))
         except PlannerError:
             continue
-    return None
+    return out

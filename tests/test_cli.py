@@ -142,3 +142,21 @@ def test_usage_errors_are_one_line_naming_the_help_to_read(args, words):
 def test_planner_alone_prints_its_help():
     out = planner()
     assert "solve" in out.stdout and "profile" in out.stdout and out.stderr == ""
+
+
+def test_device_picks_among_the_stores_measured_gpus(tmp_path):
+    """profiles/store holds GoogLeNet b1 fp16 measured on an H100 and an H200: solve says which it took, --device
+    takes the other, and a GPU the store lacks is one line and exit 2."""
+    args = ["solve", MODELS / "googlenet.onnx", "-b", "1", "--dtype", "fp16", "--time-limit", "0"]
+    first = planner(*args, "-o", tmp_path / "h100.json")
+    assert first.returncode == 0, first.stderr
+    assert "measured on NVIDIA H100 80GB HBM3 (profiles/store also holds NVIDIA H200" in first.stdout
+    assert "on NVIDIA H100 80GB HBM3" in first.stdout
+    h200 = planner(*args, "--device", "h200", "-o", tmp_path / "h200.json")
+    assert h200.returncode == 0, h200.stderr
+    assert "plan for googlenet b1 fp16 on NVIDIA H200" in h200.stdout and "also holds" not in h200.stdout
+    assert json.loads((tmp_path / "h200.json").read_text())["device_fingerprint"] == "NVIDIA_H200-9.0-91900-132"
+    missing = planner(*args, "--device", "a100", "-o", tmp_path / "a100.json")
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert "no measured profile of this graph on a 'a100' GPU (it holds: NVIDIA H100" in missing.stderr
+    assert not (tmp_path / "a100.json").exists()
