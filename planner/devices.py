@@ -63,7 +63,8 @@ BUILTIN: dict[str, DeviceInfo] = {
 
 
 def load_device(spec: str | Path) -> DeviceInfo:
-    """A built-in name (h100, h200, a100, v100, k40) or a JSON file: a full DeviceInfo, or {"base": NAME, ...overrides}."""
+    """A built-in name (h100, h200, a100, v100, k40) or a JSON file: a full DeviceInfo, or {"base": NAME,
+    ...overrides}."""
     key = str(spec).lower()
     if key in BUILTIN:
         return BUILTIN[key].model_copy(deep=True)
