@@ -145,22 +145,33 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
     most windows gain nothing, so this keeps the windows one lane would, sooner (ResNet-50 training at 50%, 60 s:
     8573.6 us against 8648.8 with one lane). The budget is in seconds of the development machine, counted from
     CP-SAT's deterministic time (WALL_PER_DET, WINDOW_OVERHEAD_S) so that plans repeat for a given seed and lane
-    count; no round starts after the wall clock passes `deadline` (a slower machine's plan then depends on its
-    speed). Kept schedules must also pass `fits` (the runner's arena, which may need more than the peak), checked
-    every FIT_EVERY of them (`_verified`), each check charged `fit_s`."""
+    count; no round starts after the wall clock passes `deadline`, less the arena checks that follow the last
+    (a slower machine's plan then depends on its speed). Kept schedules must also pass `fits` (the runner's arena,
+    which may need more than the peak), checked every FIT_EVERY of them (`_verified`), each check charged `fit_s`."""
     t_start, spent = time.monotonic(), 0.0
     best, best_cost = s, cost(p, s)
     fruitless: set[tuple] = set()
     level, size, cycle_cost = 0, 0, best_cost
     verified, unverified = s, []  # the last schedule known to fit; those kept since, with their windows
 
+    fit_wall = 0.0  # the longest arena check seen, in wall seconds
+
     def fitting(trial: Schedule) -> bool:
-        nonlocal spent
+        nonlocal spent, fit_wall
         spent += fit_s
-        return fits(trial)
+        started = time.monotonic()
+        ok = fits(trial)
+        fit_wall = max(fit_wall, time.monotonic() - started)
+        return ok
+
+    def last_round_by() -> float:
+        """The deadline less the checks that follow the last round (`_verified`: a bisection over up to
+        FIT_EVERY schedules), at the longest check seen (GoogLeNet training at 50% on the H200 profile: up to 0.9
+        s each, and the solve ended 2.9 s past its deadline)."""
+        return deadline - fit_wall * FIT_EVERY.bit_length()
 
     with ThreadPoolExecutor(lanes) as pool:
-        while level < len(WINDOW_DET_LEVELS) and spent < budget_s and time.monotonic() < deadline:
+        while level < len(WINDOW_DET_LEVELS) and spent < budget_s and time.monotonic() < last_round_by():
             width, k, pass_cost = WINDOW_SIZES[size], 0, best_cost
             while True:
                 items = items_of(p, best)
@@ -169,7 +180,7 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
                 failed, gain, used = solve_round(
                     pool, lanes, items, edges, memory, sweep(p, best, items, width, k, fruitless), streams, seed,
                     WINDOW_DET_LEVELS[level], lambda move: _better(p, cap_bytes, best, best_cost, items, move),
-                    budget_s - spent, deadline)
+                    budget_s - spent, last_round_by())
                 spent += used
                 fruitless.update(seen for _, _, _, seen in failed)
                 if gain is None:  # the pass or the budget is over
