@@ -18,23 +18,21 @@ from planner.profile import DeviceInfo
 
 MiB = 1 << 20
 
+H100 = DeviceInfo(
+    name="NVIDIA H100 80GB HBM3", sm_count=132, memory_bytes=81559 * MiB, sm_clock_mhz=1980,
+    memory_clock_mhz=2619, compute_capability="9.0", max_threads_per_sm=2048, max_blocks_per_sm=32,
+    registers_per_sm=65536, shared_mem_per_sm_bytes=233472, shared_mem_per_block_optin_bytes=232448,
+    reserved_shared_mem_per_block_bytes=1024, peak_dram_bytes_per_s=3.35e12, peak_flops_fp32=66.9e12,
+    peak_flops_tf32=494.7e12, peak_flops_fp16=989.4e12, d2d_bytes_per_s=3.0e12, h2d_bytes_per_s=45e9,
+    d2h_bytes_per_s=45e9, copy_latency_us=8.0,
+)
+
 BUILTIN: dict[str, DeviceInfo] = {
-    "h100": DeviceInfo(
-        name="NVIDIA H100 80GB HBM3", sm_count=132, memory_bytes=81559 * MiB, sm_clock_mhz=1980,
-        memory_clock_mhz=2619, compute_capability="9.0", max_threads_per_sm=2048, max_blocks_per_sm=32,
-        registers_per_sm=65536, shared_mem_per_sm_bytes=233472, shared_mem_per_block_optin_bytes=232448,
-        reserved_shared_mem_per_block_bytes=1024, peak_dram_bytes_per_s=3.35e12, peak_flops_fp32=66.9e12,
-        peak_flops_tf32=494.7e12, peak_flops_fp16=989.4e12, d2d_bytes_per_s=3.0e12, h2d_bytes_per_s=45e9,
-        d2h_bytes_per_s=45e9, copy_latency_us=8.0,
-    ),
-    "h200": DeviceInfo(
-        name="NVIDIA H200", sm_count=132, memory_bytes=143156 * MiB, sm_clock_mhz=1980,
-        memory_clock_mhz=3201, compute_capability="9.0", max_threads_per_sm=2048, max_blocks_per_sm=32,
-        registers_per_sm=65536, shared_mem_per_sm_bytes=233472, shared_mem_per_block_optin_bytes=232448,
-        reserved_shared_mem_per_block_bytes=1024, peak_dram_bytes_per_s=4.8e12, peak_flops_fp32=66.9e12,
-        peak_flops_tf32=494.7e12, peak_flops_fp16=989.4e12, d2d_bytes_per_s=3.98e12, h2d_bytes_per_s=55e9,
-        d2h_bytes_per_s=55e9, copy_latency_us=5.9,
-    ),
+    "h100": H100,
+    "h200": H100.model_copy(update=dict(
+        name="NVIDIA H200", memory_bytes=143156 * MiB, memory_clock_mhz=3201, peak_dram_bytes_per_s=4.8e12,
+        d2d_bytes_per_s=3.98e12, h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, copy_latency_us=5.9,
+    ), deep=True),
     "a100": DeviceInfo(
         name="NVIDIA A100-SXM4-80GB", sm_count=108, memory_bytes=81920 * MiB, sm_clock_mhz=1410,
         memory_clock_mhz=1593, compute_capability="8.0", max_threads_per_sm=2048, max_blocks_per_sm=32,
