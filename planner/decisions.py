@@ -180,14 +180,15 @@ def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float, max_e
                    work: Work | None = None, refined: bool = False) -> Schedule | None:
     """The keep/offload/recompute decisions fit_cap finds at `slack`, once for each of COPY_MARGINS,
     list-scheduled at each of LIST_SLACKS: of those that fit the cap (checked again on the schedule's own
-    residencies), the dearest-copy one within COPY_TOLERANCE of the shortest, or None. Why the margin: copies run one at a time per direction, so when a plan's offloads
-    nearly fill the copy engines, every late copy delays all later ones and the ops waiting for them
-    (ResNet-50 training b32 at 50%, measured on H100: the prefetch chain ran 0.2-0.9 ms behind its prediction).
+    residencies), the dearest-copy one within COPY_TOLERANCE of the shortest, or None. Why the margin: copies run
+    one at a time per direction, so when a plan's offloads nearly fill the copy engines, every late copy delays
+    all later ones and the ops waiting for them (ResNet-50 training b32 at 50%, measured on H100: the prefetch
+    chain ran 0.2-0.9 ms behind its prediction).
     Decisions chosen with dearer copies offload less (there, at 1.2: 138 MiB instead of 187 MiB, 0.3% shorter).
     Why the tolerance: the list schedule prices a recomputation in full on the critical path, where the windows
     (planner.refine) then hide it beside other ops, and a copy without the queue behind it, so it ranks offloads
     too high (GoogLeNet training b32 at 50% on the H200 profile: decisions at margin 2.0 list-scheduled 0.4%
-    longer than at 1.0, and refined to 4010.8 us against 4138.6)."""
+    longer than at 1.0, and refined to 4015.2 us against 4138.6)."""
     found = []  # the schedules, dearer copies last
     for margin, reserve in [(m, False) for m in COPY_MARGINS] + [(1.0, True)]:
         if reserve and found:
