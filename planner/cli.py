@@ -156,15 +156,18 @@ def _profile_for(graph, profile_path: Path, analytic: Optional[str], device_name
     from planner.profile import Profile
     from planner.store import measured_profiles_for
 
+    def named(profile: Profile) -> bool:
+        return not device_name or device_name.lower() in profile.device.name.lower()
+
     if analytic is None and profile_path.is_file():
         profile = load_model(Profile, profile_path, expect_graph_sha256=graph.graph_sha256)
-        if device_name and device_name.lower() not in profile.device.name.lower():
+        if not named(profile):
             raise PlannerError(f"{profile_path} was measured on {profile.device.name}, not on a {device_name!r}")
         return profile
     measured = measured_profiles_for(graph, profile_path) if analytic is None and profile_path.is_dir() else []
     if device_name:
         held = ", ".join(p.device.name for p in measured) or "none"
-        measured = [p for p in measured if device_name.lower() in p.device.name.lower()]
+        measured = [p for p in measured if named(p)]
         if not measured:
             raise PlannerError(f"{profile_path} holds no measured profile of this graph on a {device_name!r} GPU "
                                f"(it holds: {held}); run `planner profile` on that GPU")
