@@ -82,8 +82,8 @@ def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: 
     """C + copy interference >= the least, over fractional offload o_t and recompute r_t of the `Cut`'s away
     tensors freeing sum (o_t + r_t) bytes_t >= held + away bytes - cap, of H + A + copy_interference x sum o_t
     (d2h_t + h2d_t), for the cut op that gives most; H = start(v), A = C - start(v):
-      H >= head(v);  H >= the earliest end of their producers + sum o_t d2h_t   (one copy engine, done by start(v))
-      A >= fastest(v) + tail(v);  A >= sum o_t h2d_t + least fastest + tail of a backward reader   (copies back)
+      H >= head(v);  H >= m + sum o_t d2h_t over t made from m on, each m   (one copy engine, done by start(v))
+      A >= fastest(v) + tail(v);  A >= q + sum o_t h2d_t over t whose readers' fastest + tail >= q, each q
       A >= work of v and its descendants + sum r_t x the recomputation's work   (recomputations after start(v))
       H + A >= work of every op + sum r_t x the recomputation's work
     where work is time x rate, for the SM share and for 1 / streams (on one stream: every op's time, which the SM
@@ -109,11 +109,14 @@ def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: 
             lp.bounds[o + i], lp.bounds[r + i] = (0.0, float(t.can_offload)), (0.0, float(t.can_recompute))
             lp.cost[o + i] = p.device.copy_interference * (t.d2h_us + t.h2d_us) if t.can_offload else 0.0
             lp.row({o + i: 1.0, r + i: 1.0}, 1.0)
-        made = min((heads[pos[t.producer]] + fastest[pos[t.producer]] if t.producer is not None else 0.0)
-                   for t in away)
-        back = min(fastest[pos[c]] + tails[pos[c]] for t in away for c in t.late)
-        lp.row({**{o + i: t.d2h_us for i, t in enumerate(away) if t.can_offload}, h: -1.0}, -made)
-        lp.row({**{o + i: t.h2d_us for i, t in enumerate(away) if t.can_offload}, a: -1.0}, -back)
+        made = [heads[pos[t.producer]] + fastest[pos[t.producer]] if t.producer is not None else 0.0 for t in away]
+        back = [min(fastest[pos[c]] + tails[pos[c]] for c in t.late) for t in away]
+        for release in sorted(set(made)):
+            lp.row({**{o + i: t.d2h_us for i, t in enumerate(away) if t.can_offload and made[i] >= release},
+                    h: -1.0}, -release)
+        for due in sorted(set(back)):
+            lp.row({**{o + i: t.h2d_us for i, t in enumerate(away) if t.can_offload and back[i] >= due},
+                    a: -1.0}, -due)
         for rate, least in works:
             recomputed = {r + i: t.recompute.time_us * rate(t.recompute) for i, t in enumerate(away) if t.can_recompute}
             lp.row({**recomputed, a: -1.0}, -float(least[v] + least[anc[:, v]].sum()))

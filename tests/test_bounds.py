@@ -196,6 +196,21 @@ def test_a_cap_that_forces_recomputation_raises_the_bound_by_it():
     assert lower_bounds_us(p, 4, 7000)["memory_cut"] == 0  # nothing has to go
 
 
+def test_the_memory_cut_copies_a_tensor_out_after_it_is_made_and_back_before_it_is_read():
+    """Copies only, 10 us each way (a0's 100): under 4150 bytes two activations go at the turn. One engine each
+    way copies a1..a4 out after f1 ends (8 us) and back before b1 starts (8 us before the end): about 8 + 20 us
+    before the turn and as much after it (27.6 each, a sliver of a0 taken), where pricing every copy from a0's
+    release and to its due (4 us) gave 51.0 in all."""
+    p = slow_copy_chain(6)
+    for t in p.tensors:
+        t.can_recompute = False
+    a0 = p.tensors[0]
+    a0.d2h_us = a0.h2d_us = a0.d2h_ticks = a0.h2d_ticks = 100
+    result = solve_tiny(p, 4150, 4)
+    assert result.status == "OPTIMAL"
+    assert 55 < lower_bounds_us(p, 4, 4150)["memory_cut"] <= result.schedule.makespan(p)
+
+
 def test_on_one_stream_the_memory_cut_counts_a_narrow_recomputation_whole(monkeypatch):
     """A recomputation on 30% of the SMs adds 0.3 us of SM work per us, but on one stream nothing runs beside it:
     the cut's rows at rate 1 / streams count its whole time (without the chain-and-fillers rows, which also do)."""
