@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from planner.bench import (BenchReport, BenchRow, Environment, Settings, Variant, add_ratios, cap_for,
+from planner.bench import (BenchReport, Environment, Settings, Variant, add_ratios, cap_for,
                            equivalence_checks, interleave, make_row, parse_batches, parse_dtypes)
 from planner.bench_report import print_report, save_outputs
 from planner.files import PlannerError
