@@ -134,8 +134,8 @@ def solve_round(pool: ThreadPoolExecutor, lanes: int, items: list[Item], edges: 
 def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: float, seed: int = 0,
            on_progress: Callable[[int, float], None] | None = None,
            fits: Callable[[Schedule], bool] | None = None, lanes: int = LANES, fit_s: float = 0.0,
-           deadline: float = float("inf")) -> tuple[Schedule, float]:
-    """(the schedule improved window by window, the budget spent). Passes sweep windows of WINDOW_SIZES[i] items
+           deadline: float = float("inf")) -> tuple[Schedule, float, bool]:
+    """(the schedule improved window by window, the budget spent, whether the wall clock ended it). Passes sweep windows of WINDOW_SIZES[i] items
     from the start of the schedule to its end, overlapping by half; a window is kept when the schedule gets cheaper
     and fits the cap. A pass that gains over MIN_PASS_GAIN repeats its size, one that does not moves on to larger
     windows; after the largest, the sizes cycle again while the cycle before gained over MIN_PASS_GAIN, then again
@@ -201,9 +201,10 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
                     level += 1
                     fruitless.clear()
                 size, cycle_cost = 0, best_cost
+    wall_ended = level < len(WINDOW_DET_LEVELS) and spent < budget_s  # neither converged nor out of budget
     if fits is not None and unverified:
         best = _verified(verified, unverified, fitting, fruitless)
-    return best, spent
+    return best, spent, wall_ended
 
 
 def _verified(verified: Schedule, unverified: list[tuple[Schedule, tuple]], fits: Callable[[Schedule], bool],

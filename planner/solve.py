@@ -322,10 +322,11 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base_us: float, base_
     else:
         fits_schedule = lambda s: fits(plan_of(graph, p, s, cap_bytes, options.streams))  # noqa: E731
         deadline -= final_checks_s(p)
-        found, solver_bound_ticks = _search(p, cap_bytes, horizon, hint, options, progress, fits_schedule, deadline)
+        found, solver_bound_ticks, wall_ended = _search(p, cap_bytes, horizon, hint, options, progress,
+                                                        fits_schedule, deadline)
         if own_bound and solver_bound_ticks > 0:
             bounds["solver"] = solver_bound_ticks * tick
-        if time.monotonic() >= deadline:
+        if wall_ended or time.monotonic() >= deadline:
             when = (f"at {RUNAWAY:g} times the time limit (CP-SAT overran its deterministic limit)"
                     if options.deterministic else "at the time limit (this machine ran slower than the budget counts)")
             found = [(s, f"{how}; the wall clock ended the search {when}: the plan may differ between runs", refined)
@@ -346,8 +347,9 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base_us: float, base_
 
 def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, options: Options,
             progress: Callable[[int, int, float], None], fits: Callable[[Schedule], bool],
-            deadline: float = float("inf")) -> tuple[list[tuple[Schedule, str, bool]], int]:
-    """(the schedules found, best first, each with how and whether windows refined it; CP-SAT's bound in ticks).
+            deadline: float = float("inf")) -> tuple[list[tuple[Schedule, str, bool]], int, bool]:
+    """(the schedules found, best first, each with how and whether windows refined it; CP-SAT's bound in ticks;
+    whether the wall clock ended the windows before their budget, which they stop short of `deadline`).
     A problem of at most WHOLE_MODEL_OPS ops goes to CP-SAT whole first (GoogLeNet and ResNet-50 inference:
     proven optimal within a second) for WHOLE_MODEL_SHARE of the time limit, then, unless proven optimal, to
     `refine` for the rest. A larger one is only refined: training graphs of 565-636 ops, CP-SAT on the whole
@@ -360,7 +362,7 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
     from planner.refine import LANES, refine
 
     found = [(hint, "heuristic", False)] if hint is not None else []
-    bound, elapsed = 0, 0.0
+    bound, elapsed, wall_ended = 0, 0.0, False
 
     def whole(limit_s: float) -> str:
         nonlocal bound
@@ -381,8 +383,9 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
         return result.status
 
     def windows(budget_s: float) -> None:
+        nonlocal wall_ended
         start, how, _ = found[0]
-        out, _ = refine(p, cap_bytes, options.streams, start, budget_s, options.seed,
+        out, _, wall_ended = refine(p, cap_bytes, options.streams, start, budget_s, options.seed,
                         lambda ms, at: progress(ms, 0, elapsed + at), fits, min(options.workers, LANES),
                         len(p.ops) * LAYOUT_S_PER_OP, deadline)
         if cost(p, out) < cost(p, start):
@@ -397,6 +400,6 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
             windows(limit - whole_s)
     else:
         windows(limit)
-    return found, bound
+    return found, bound, wall_ended
 
 

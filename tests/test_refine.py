@@ -31,7 +31,7 @@ def test_one_window_over_a_tiny_dag_finds_the_optimum(seed):
     p = random_problem(rng, n_ops=5 + seed % 2, n_alts=2)
     streams = rng.choice([1, 2, 3])
     start = serial(p, [0] * len(p.ops))
-    refined, _ = refine(p, 1 << 40, streams, start, budget_s=30)
+    refined, *_ = refine(p, 1 << 40, streams, start, budget_s=30)
     assert refined.makespan(p) == brute_force_makespan(p, streams)
 
 
@@ -76,8 +76,8 @@ def test_two_lanes_keep_the_windows_one_lane_keeps():
     """Windows solved two at a time, taken up to the first that gains: with budget to spare, the same search."""
     p = random_problem(random.Random(11), n_ops=40, n_alts=3, training=True)
     start = list_schedule(p, 1 << 40, 3, {}).schedule
-    one, spent_one = refine(p, 1 << 40, 3, start, budget_s=1000, lanes=1)
-    two, spent_two = refine(p, 1 << 40, 3, start, budget_s=1000, lanes=2)
+    one, spent_one, _ = refine(p, 1 << 40, 3, start, budget_s=1000, lanes=1)
+    two, spent_two, _ = refine(p, 1 << 40, 3, start, budget_s=1000, lanes=2)
     assert cost(p, one) < cost(p, start)
     assert (one.alt, one.start) == (two.alt, two.start)
     assert spent_two < spent_one
@@ -96,7 +96,7 @@ def test_a_converged_search_solves_every_window_again_for_longer(monkeypatch):
         return solve_window(*args)
 
     monkeypatch.setattr(refine_module, "solve_window", spy)
-    best, _ = refine(p, 1 << 40, 3, start, budget_s=1000, lanes=1)
+    best, *_ = refine(p, 1 << 40, 3, start, budget_s=1000, lanes=1)
     assert solved_for == sorted(solved_for) and set(solved_for) == set(WINDOW_DET_LEVELS)
     first_sweep = list(sweep(p, best, items_of(p, best), WINDOW_SIZES[0], 0, set()))
     assert solved_for.count(WINDOW_DET_LEVELS[-1]) >= len(first_sweep)
@@ -106,8 +106,8 @@ def test_a_converged_search_solves_every_window_again_for_longer(monkeypatch):
 def test_the_same_seed_refines_to_the_same_schedule(lanes):
     p = random_problem(random.Random(9), n_ops=40, n_alts=3, training=True)
     start = list_schedule(p, 1 << 40, 3, {}).schedule
-    first, spent = refine(p, 1 << 40, 3, start, budget_s=3, lanes=lanes)
-    second, _ = refine(p, 1 << 40, 3, start, budget_s=3, lanes=lanes)
+    first, spent, _ = refine(p, 1 << 40, 3, start, budget_s=3, lanes=lanes)
+    second, *_ = refine(p, 1 << 40, 3, start, budget_s=3, lanes=lanes)
     assert (first.alt, first.start) == (second.alt, second.start)
     assert 0 < spent
 
@@ -115,17 +115,17 @@ def test_the_same_seed_refines_to_the_same_schedule(lanes):
 def test_a_passed_deadline_returns_the_schedule_given_without_solving_a_window():
     p = random_problem(random.Random(9), n_ops=40, n_alts=3, training=True)
     start = list_schedule(p, 1 << 40, 3, {}).schedule
-    out, spent = refine(p, 1 << 40, 3, start, budget_s=1000, deadline=time.monotonic())
-    assert out is start and spent == 0
+    out, spent, wall_ended = refine(p, 1 << 40, 3, start, budget_s=1000, deadline=time.monotonic())
+    assert out is start and spent == 0 and wall_ended
 
 
 def test_a_result_that_fails_the_arena_check_gives_way_to_an_earlier_kept_schedule():
     p = random_problem(random.Random(9), n_ops=40, n_alts=3, training=True)
     start = list_schedule(p, 1 << 40, 3, {}).schedule
-    best, _ = refine(p, 1 << 40, 3, start, budget_s=3)
+    best, *_ = refine(p, 1 << 40, 3, start, budget_s=3)
     assert cost(p, best) < cost(p, start)
     fits = lambda s: cost(p, s) > cost(p, best)  # noqa: E731 - the best arena "overflows", every other fits
-    fallback, _ = refine(p, 1 << 40, 3, start, budget_s=3, fits=fits)
+    fallback, *_ = refine(p, 1 << 40, 3, start, budget_s=3, fits=fits)
     assert fits(fallback) and cost(p, fallback) <= cost(p, start)
 
 
