@@ -135,19 +135,20 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
            on_progress: Callable[[int, float], None] | None = None,
            fits: Callable[[Schedule], bool] | None = None, lanes: int = LANES, fit_s: float = 0.0,
            deadline: float = float("inf")) -> tuple[Schedule, float, bool]:
-    """(the schedule improved window by window, the budget spent, whether the wall clock ended it). Passes sweep windows of WINDOW_SIZES[i] items
-    from the start of the schedule to its end, overlapping by half; a window is kept when the schedule gets cheaper
-    and fits the cap. A pass that gains over MIN_PASS_GAIN repeats its size, one that does not moves on to larger
-    windows; after the largest, the sizes cycle again while the cycle before gained over MIN_PASS_GAIN, then again
-    with each window solved longer (WINDOW_DET_LEVELS). Windows whose model was solved before without gain at this
-    length are skipped, so a later cycle solves only the windows that kept schedules changed. `lanes` threads solve
-    the next windows of the sweep from the same schedule, taken in order up to the first that gains (`solve_round`):
-    most windows gain nothing, so this keeps the windows one lane would, sooner (ResNet-50 training at 50%, 60 s:
-    8573.6 us against 8648.8 with one lane). The budget is in seconds of the development machine, counted from
-    CP-SAT's deterministic time (WALL_PER_DET, WINDOW_OVERHEAD_S) so that plans repeat for a given seed and lane
-    count; no round starts after the wall clock passes `deadline`, less the arena checks that follow the last
-    (a slower machine's plan then depends on its speed). Kept schedules must also pass `fits` (the runner's arena,
-    which may need more than the peak), checked every FIT_EVERY of them (`_verified`), each check charged `fit_s`."""
+    """(the schedule improved window by window, the budget spent, whether the wall clock ended it). Passes sweep
+    windows of WINDOW_SIZES[i] items from the start of the schedule to its end, overlapping by half; a window is kept
+    when the schedule gets cheaper and fits the cap. A pass that gains over MIN_PASS_GAIN repeats its size, one that
+    does not moves on to larger windows; after the largest, the sizes cycle again while the cycle before gained over
+    MIN_PASS_GAIN, then again with each window solved longer (WINDOW_DET_LEVELS). Windows whose model was solved
+    before without gain at this length are skipped, so a later cycle solves only the windows that kept schedules
+    changed. `lanes` threads solve the next windows of the sweep from the same schedule, taken in order up to the
+    first that gains (`solve_round`): most windows gain nothing, so this keeps the windows one lane would, sooner
+    (ResNet-50 training at 50%, 60 s: 8573.6 us against 8648.8 with one lane). The budget is in seconds of the
+    development machine, counted from CP-SAT's deterministic time (WALL_PER_DET, WINDOW_OVERHEAD_S) so that plans
+    repeat for a given seed and lane count; no round starts after the wall clock passes `deadline`, less the arena
+    checks that follow the last (a slower machine's plan then depends on its speed). Kept schedules must also pass
+    `fits` (the runner's arena, which may need more than the peak), checked every FIT_EVERY of them (`_verified`),
+    each check charged `fit_s`."""
     t_start, spent = time.monotonic(), 0.0
     best, best_cost = s, cost(p, s)
     fruitless: set[tuple] = set()

@@ -386,8 +386,8 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
         nonlocal wall_ended
         start, how, _ = found[0]
         out, _, wall_ended = refine(p, cap_bytes, options.streams, start, budget_s, options.seed,
-                        lambda ms, at: progress(ms, 0, elapsed + at), fits, min(options.workers, LANES),
-                        len(p.ops) * LAYOUT_S_PER_OP, deadline)
+                                    lambda ms, at: progress(ms, 0, elapsed + at), fits,
+                                    min(options.workers, LANES), len(p.ops) * LAYOUT_S_PER_OP, deadline)
         if cost(p, out) < cost(p, start):
             found.insert(0, (out, f"{how}; refined window by window from {start.makespan(p) * p.tick_us:.1f} us",
                              True))
