@@ -1,12 +1,14 @@
 """Plans the runner can lay out under the user's cap. The runner's arena (runner/arena.py) places a schedule's
 residencies with gaps, a few percent over its peak, in the driver's 2-MiB pages: a binding search starts a little
-under the cap (`solver_cap`) and steps down until the heuristic's plan fits as an arena (`arena_fit`)."""
+under the cap (`solver_cap`) and steps down until the heuristic's plan fits as an arena (`arena_fit`), and so do
+the deep recomputations that follow it (`deep_fit`)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 from planner.decisions import best_heuristic
+from planner.deep import deep_recomputations
 from planner.heuristic import Work
 from planner.ir import Graph
 from planner.plan import Plan, Totals
@@ -17,6 +19,7 @@ from planner.streams import build_plan
 PLACEMENT_MARGIN = 0.002  # a binding cap: the search starts this share of the arena's room below it (solver_cap)
 ARENA_STEP = 0.01  # ... and is lowered in steps of 1% of the room above resident bytes
 ARENA_STEPS = 30  # ... until the runner's arena fits the user's cap
+DEEP_ARENA_STEPS = 4  # deep recomputations whose arena overflows are searched again up to this many steps lower
 
 
 def device_bytes(graph: Graph, plan: Plan) -> int:
@@ -68,6 +71,25 @@ def arena_fit(graph: Graph, p: Problem, cap_bytes: int, start_bytes: int, stream
         if overflowed is not None:
             overflowed.append((hint, peak_memory(p, hint.decision, timed(p, hint))[0]))
     return cap_bytes, None, ARENA_STEPS  # no heuristic plan fits: CP-SAT alone, or the computed minimum cap
+
+
+def deep_fit(graph: Graph, p: Problem, cap_bytes: int, target: int, streams: int, hint: Schedule, slack: float,
+             fits: Callable[[Plan], bool], work: Work) -> tuple[int, Problem, Schedule] | None:
+    """(solver cap, problem, schedule): deep recomputations cheaper than `hint` (deep.deep_recomputations) under
+    `target`, or up to DEEP_ARENA_STEPS of arena_fit's steps below it, whose plan the runner can lay out within the
+    user's cap; None where none is. A deep way's workspace is one large block (a convolution's output held while
+    its BatchNormalization re-applies), which placement may not fit where the peak does: GoogLeNet training b32
+    at 35%, under the solver cap of the heuristic's plan (221.88 MiB), the deep plan's arena overflows the
+    225.69-MiB cap, one step lower it fits."""
+    room = cap_bytes - p.resident_bytes
+    for k in range(DEEP_ARENA_STEPS + 1):
+        lower = target - int(k * ARENA_STEP * room)
+        deeper = deep_recomputations(p, lower, streams, hint, slack, work)
+        if deeper is None:  # nothing cheaper here, nor under a lower cap
+            return None
+        if fits(plan_of(graph, *deeper, lower, streams)):
+            return lower, *deeper
+    return None
 
 
 def plan_of(graph: Graph, p: Problem, schedule: Schedule, cap_bytes: int, streams: int) -> Plan:

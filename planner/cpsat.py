@@ -14,7 +14,7 @@ from typing import Callable
 
 from ortools.sat.python import cp_model
 
-from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Problem
+from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
 from planner.schedule import Schedule, residency, timed
 
 PEAK_LEVELS = 100  # the objective's second term: peak memory in hundredths of the cap
@@ -31,12 +31,28 @@ class Vars:
     recompute: dict = field(default_factory=dict)
     d2h: dict = field(default_factory=dict)  # tensor -> optional interval
     h2d: dict = field(default_factory=dict)
-    rec: dict = field(default_factory=dict)  # tensor -> optional interval of the recomputation
+    rec: dict = field(default_factory=dict)  # tensor -> optional interval (or Span) of the recomputation
+    rec_runs: dict = field(default_factory=dict)  # tensor -> [(literal, optional interval)] per way it may run as
     first_end: dict = field(default_factory=dict)  # tensor -> end of its first residency
     second: dict = field(default_factory=dict)  # tensor -> optional interval of its second residency
     memory: list = field(default_factory=list)  # (interval, bytes)
     makespan: object = None
     peak: object = None
+
+
+@dataclass
+class Span:
+    """Start and end of a recomputation with several ways to run, each its own optional interval (`Vars.rec_runs`),
+    tied to them as an op's alternatives are."""
+
+    start: cp_model.IntVar
+    end: cp_model.IntVar
+
+    def start_expr(self) -> cp_model.IntVar:
+        return self.start
+
+    def end_expr(self) -> cp_model.IntVar:
+        return self.end
 
 
 def new_variables(m: cp_model.CpModel, p: Problem, horizon: int) -> Vars:
@@ -66,9 +82,25 @@ def new_variables(m: cp_model.CpModel, p: Problem, horizon: int) -> Vars:
             v.d2h[t] = _optional_fixed(m, horizon, tu.d2h_ticks, v.offload[t], f"d2h{t}")
             v.h2d[t] = _optional_fixed(m, horizon, tu.h2d_ticks, v.offload[t], f"h2d{t}")
         if tu.can_recompute:
-            v.rec[t] = _optional_fixed(m, horizon, tu.recompute.duration, v.recompute[t], f"rec{t}")
+            _recompute_variables(m, v, t, tu.recompute_alternatives, horizon)
     v.makespan = m.new_int_var(0, horizon, "makespan")
     return v
+
+
+def _recompute_variables(m: cp_model.CpModel, v: Vars, t: int, ways: list[Alternative], horizon: int) -> None:
+    """One optional interval where the recomputation runs one way; else a Span, one interval per way on its
+    start, the end tied by the way's literal, and sum of the ways' literals = recompute[t]."""
+    if len(ways) == 1:
+        v.rec[t] = _optional_fixed(m, horizon, ways[0].duration, v.recompute[t], f"rec{t}")
+        v.rec_runs[t] = [(v.recompute[t], v.rec[t])]
+        return
+    start, end = m.new_int_var(0, horizon, f"rec{t}_start"), m.new_int_var(0, horizon, f"rec{t}_end")
+    v.rec[t], v.rec_runs[t] = Span(start, end), []
+    for a, way in enumerate(ways):
+        lit = m.new_bool_var(f"rec{t}_{a}")
+        v.rec_runs[t].append((lit, m.new_optional_fixed_size_interval_var(start, way.duration, lit, f"rec{t}_{a}")))
+        m.add(end == start + way.duration).only_enforce_if(lit)
+    m.add(sum(lit for lit, _ in v.rec_runs[t]) == v.recompute[t])
 
 
 def _optional_fixed(m: cp_model.CpModel, horizon: int, size: int, lit, name: str):
@@ -107,15 +139,16 @@ def _add_share(m: cp_model.CpModel, p: Problem, v: Vars, demand: str, capacity: 
         for a, alt in enumerate(op.alternatives):
             intervals.append(v.runs[i][a])
             demands.append(getattr(alt, demand))
-    for t, iv in v.rec.items():
-        intervals.append(iv)
-        demands.append(getattr(p.tensors[t].recompute, demand))
+    for t, runs in v.rec_runs.items():
+        for (_, iv), way in zip(runs, p.tensors[t].recompute_alternatives):
+            intervals.append(iv)
+            demands.append(getattr(way, demand))
     m.add_cumulative(intervals, demands, capacity)
 
 
 def add_stream_limit(m: cp_model.CpModel, p: Problem, v: Vars, streams: int) -> None:
     """number of ops (and recomputations) running at any instant <= streams."""
-    intervals = [iv for runs in v.runs for iv in runs] + list(v.rec.values())
+    intervals = [iv for runs in v.runs for iv in runs] + [iv for runs in v.rec_runs.values() for _, iv in runs]
     m.add_cumulative(intervals, [1] * len(intervals), streams)
 
 
@@ -215,10 +248,11 @@ def add_memory(m: cp_model.CpModel, p: Problem, v: Vars, cap_bytes: int) -> None
             if alt.workspace_bytes:
                 intervals.append(v.runs[i][a])
                 demands.append(alt.workspace_bytes)
-    for t, iv in v.rec.items():
-        if p.tensors[t].recompute.workspace_bytes:
-            intervals.append(iv)
-            demands.append(p.tensors[t].recompute.workspace_bytes)
+    for t, runs in v.rec_runs.items():
+        for (_, iv), way in zip(runs, p.tensors[t].recompute_alternatives):
+            if way.workspace_bytes:
+                intervals.append(iv)
+                demands.append(way.workspace_bytes)
     v.peak = m.new_int_var(0, max(0, cap_bytes - p.resident_bytes), "peak")
     m.add_cumulative(intervals, demands, v.peak)
 
@@ -260,6 +294,9 @@ def add_hint(m: cp_model.CpModel, p: Problem, v: Vars, s: Schedule) -> None:
             m.add_hint(v.offload[t], how == "offload")
         if p.tensors[t].can_recompute:
             m.add_hint(v.recompute[t], how == "recompute")
+            if len(v.rec_runs[t]) > 1:
+                for a, (lit, _) in enumerate(v.rec_runs[t]):
+                    m.add_hint(lit, how == "recompute" and s.recompute_alt.get(t, 0) == a)
         if how == "offload":
             m.add_hint(v.d2h[t].start_expr(), s.d2h_start[t])
             m.add_hint(v.h2d[t].start_expr(), s.h2d_start[t])
@@ -347,6 +384,9 @@ def solve(p: Problem, cap_bytes: int, streams: int, horizon: int, time_limit_s: 
         elif solver.boolean_value(v.recompute[t]):
             s.decision[t] = "recompute"
             s.recompute_start[t] = solver.value(v.rec[t].start_expr())
+            way = next(a for a, (lit, _) in enumerate(v.rec_runs[t]) if solver.boolean_value(lit))
+            if way:
+                s.recompute_alt[t] = way
     if minimize_memory:
         return SolveResult(s, name, p.resident_bytes + int(solver.best_objective_bound), wall, callback.count,
                            p.resident_bytes + solver.value(v.peak))

@@ -20,10 +20,15 @@ def with_deep(p: Problem, deep: set[int]) -> Problem:
     """The problem where each tensor of `deep` is recomputed its deep way."""
     tensors = list(p.tensors)
     for t in deep:
-        chain, reads, alternative = tensors[t].deep
-        tensors[t] = replace(tensors[t], recompute_chain=chain, recompute_reads=reads, recompute=alternative,
-                             deep=None)
+        chain, reads, alternatives = tensors[t].deep
+        tensors[t] = replace(tensors[t], recompute_chain=chain, recompute_reads=reads,
+                             recompute_alternatives=alternatives, deep=None)
     return replace(p, tensors=tensors)
+
+
+def deep_tensors(p: Problem, shallow: Problem) -> set[int]:
+    """The tensors p recomputes their deep way, p being `shallow` after with_deep."""
+    return {t for t, u in enumerate(p.tensors) if u.recompute_chain != shallow.tensors[t].recompute_chain}
 
 
 def deep_recomputations(p: Problem, cap_bytes: int, streams: int, hint: Schedule, slack: float,

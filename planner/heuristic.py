@@ -85,9 +85,9 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
     beside what every unstarted job with a longer tail than its readers' allocates: a prefetch that takes the
     room the backward chain needs next sends that chain over the cap once nothing else runs); then the
     ready ops and recomputations, longest path to the end first, each with its fastest alternative within
-    `slack` that fits the free SM share and DRAM bandwidth, a stream, and memory. What does not fit waits for
-    memory to be freed; only when nothing is running does the most urgent item go ahead over the cap (recorded
-    in `over`).
+    `slack` that fits the free SM share and DRAM bandwidth, a stream, and memory (a recomputation, else its lean
+    way). What does not fit waits for memory to be freed; only when nothing is running does the most urgent
+    item go ahead over the cap (recorded in `over`).
     A recomputation is ready once its producer ended and every other predecessor of its first backward reader
     started: late enough to hold its memory briefly, early enough to run beside that predecessor. One that reads
     a tensor no longer kept waits for that tensor's copy back or recomputation (a needer of it, like a reader).
@@ -96,7 +96,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
     rec = sorted(t for t, d in decision.items() if d == "recompute")
     off = sorted(t for t, d in decision.items() if d == "offload")
     job_of = {t: n + k for k, t in enumerate(rec)}
-    jobs = [op.alternatives for op in p.ops] + [[tensors[t].recompute] for t in rec]
+    jobs = [op.alternatives for op in p.ops] + [tensors[t].recompute_alternatives for t in rec]
     preds = [list(op.preds) for op in p.ops] + [[tensors[t].producer] for t in rec]
     needers = {t: list(tensors[t].late) for t in rec + off}  # jobs that read t from its second residency
     for t in rec:
@@ -105,6 +105,8 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
                 needers[u].append(job_of[t])
     tail = _tails(p, jobs, preds, rec, needers)
     by_speed = [_within_slack(alts, slack) for alts in jobs]
+    for ways in by_speed[n:]:  # a recomputation falls back on its lean way, where a faster one does not fit
+        ways += [0] if 0 not in ways else []
     first_workspace = [alts[0].workspace_bytes for alts in jobs]  # ranks the ready jobs (below)
     made_bytes = [sum(tensors[t].bytes for t in op.writes if len(tensors[t].writers) == 1) for op in p.ops]
     made_bytes += [tensors[t].bytes for t in rec]
@@ -292,6 +294,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
         work.jobs += len(jobs)
     s.alt, s.start = choice[:n], start[:n]
     s.recompute_start = {t: start[n + k] for k, t in enumerate(rec)}
+    s.recompute_alt = {t: choice[n + k] for k, t in enumerate(rec) if choice[n + k]}
     return Outcome(s, s.makespan(p), over, overflow, over_at, reserve)
 
 
@@ -332,7 +335,7 @@ def _tails(p: Problem, jobs: list[list[Alternative]], preds: list[list[int]], re
     for j in _reverse_topological(preds[:n], succs):
         tail[j] = min(a.duration for a in jobs[j]) + max((tail[k] for k in succs[j]), default=0)
     for k, t in sorted(enumerate(rec), key=lambda kt: -p.tensors[kt[1]].producer):
-        tail[n + k] = jobs[n + k][0].duration + max(tail[c] for c in needers[t])
+        tail[n + k] = min(a.duration for a in jobs[n + k]) + max(tail[c] for c in needers[t])
     return tail
 
 

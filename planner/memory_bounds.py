@@ -118,7 +118,8 @@ def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: 
             lp.row({**{o + i: t.h2d_us for i, t in enumerate(away) if t.can_offload and back[i] >= due},
                     a: -1.0}, -due)
         for rate, least in works:
-            recomputed = {r + i: t.recompute.time_us * rate(t.recompute) for i, t in enumerate(away) if t.can_recompute}
+            recomputed = {r + i: min(x.time_us * rate(x) for x in t.recompute_alternatives)
+                          for i, t in enumerate(away) if t.can_recompute}
             lp.row({**recomputed, a: -1.0}, -float(least[v] + least[anc[:, v]].sum()))
             lp.row({**recomputed, h: -1.0, a: -1.0}, -float(least.sum()))
         lp.row({**{o + i: -float(t.bytes) for i, t in enumerate(away)},
@@ -133,7 +134,7 @@ def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: 
             if t.can_recompute:
                 readers = [pos[c] for c in t.late]
                 ahead = np.array([not any(u == c or anc[u, c] for c in readers) for u in path])
-                fillers.append(Filler([t.recompute], ahead, budget=r + i))
+                fillers.append(Filler(t.recompute_alternatives, ahead, budget=r + i))
         add_chain_fill(lp, [dag.alts[u] for u in path], fillers, streams, rates(streams, dram), a)
         stronger = lp.solve()
         if stronger is not None:

@@ -63,14 +63,25 @@ class TensorUse:
     h2d_ticks: int = 0
     d2h_us: float = 0.0
     h2d_us: float = 0.0
-    recompute: Alternative | None = None  # the recomputation's cost: its chain at each op's fastest algorithm
+    recompute_alternatives: list[Alternative] = field(default_factory=list)  # what the recomputation may run as
+    # (`recompute_cost`): the lean way first, then a faster one that needs more workspace
     recompute_chain: list[int] = field(default_factory=list)  # ops re-run, in order; the last is the producer
     recompute_reads: list[int] = field(default_factory=list)  # tensors the chain reads, live until it ends
-    deep: tuple[list[int], list[int], Alternative] | None = None  # (chain, reads, cost) re-running its reads' chains
+    deep: tuple[list[int], list[int], list[Alternative]] | None = None  # (chain, reads, alternatives) re-running
+    # its reads' chains
 
     def __post_init__(self):
         if not self.writers and self.producer is not None:
             self.writers = [self.producer]
+
+    @property
+    def recompute(self) -> Alternative | None:
+        """The recomputation's lean way: what decisions are priced at and what always fits where it runs."""
+        return self.recompute_alternatives[0] if self.recompute_alternatives else None
+
+    @recompute.setter
+    def recompute(self, alternative: Alternative) -> None:
+        self.recompute_alternatives = [alternative]
 
     @property
     def choosable(self) -> bool:
@@ -283,12 +294,12 @@ def _mark_recompute(problem: Problem, graph: Graph, t: TensorUse, fused: dict[tu
         if len(chain) + len(queue) + len(unsaved) <= MAX_CHAIN_OPS:  # else they are read as they are
             queue += sorted(unsaved)
     chain.sort()  # ops are in topological order: the producer of t comes last
-    reads, cost = recompute_cost(problem, graph, chain, t.bytes, fused)
+    reads, alternatives = recompute_cost(problem, graph, chain, t.bytes, fused)
     held = sum(problem.tensors[r].bytes for r in reads if r not in saved)
     if held >= t.bytes:  # the chain would hold unsaved inputs at least as big as what it frees
         return
     t.can_recompute = True
-    t.recompute_chain, t.recompute_reads, t.recompute = chain, reads, cost
+    t.recompute_chain, t.recompute_reads, t.recompute_alternatives = chain, reads, alternatives
 
 
 def _mark_deep(problem: Problem, graph: Graph, t: TensorUse, fused: dict[tuple[str, ...], Alternative]) -> None:
@@ -306,10 +317,13 @@ def _mark_deep(problem: Problem, graph: Graph, t: TensorUse, fused: dict[tuple[s
 
 def recompute_cost(problem: Problem, graph: Graph, chain: list[int], freed_bytes: int,
                    fused: dict[tuple[str, ...], Alternative], fused_tail: bool = False
-                   ) -> tuple[list[int], Alternative]:
-    """(what the chain of forward ops reads, its cost as one recomputation): the profile's fused kernel where it
-    measured the chain as one, else each op's `_recompute_alternative` one after another, the intermediates held
-    in the workspace; with `fused_tail`, the longest tail of the chain measured fused runs as that kernel."""
+                   ) -> tuple[list[int], list[Alternative]]:
+    """(what the chain of forward ops reads, what it may run as): the profile's fused kernel where it measured the
+    chain as one, else its ops one after another, the intermediates held in the workspace. The lean way first:
+    each op on its fastest algorithm whose workspace is at most a quarter of the bytes the recomputation frees
+    (it runs where memory is tightest); then, where faster, each on its fastest whatever its workspace
+    (GoogLeNet's and ResNet-50's conv1, 49 MiB out: 197 us lean, 91 us with 12.3 MiB; which fits depends on the
+    schedule, so the solver chooses). With `fused_tail`, the longest tail measured fused runs as that kernel."""
     by_name = {u.name: i for i, u in enumerate(problem.tensors)}
     made = set()
     reads: list[int] = []
@@ -323,21 +337,25 @@ def recompute_cost(problem: Problem, graph: Graph, chain: list[int], freed_bytes
         made |= set(problem.ops[op].writes)
     names = tuple(problem.ops[o].name for o in chain)
     if (one := fused.get(names)) is not None:
-        return reads, one
+        return reads, [one]
     cut = next((k for k in range(1, len(chain) - 1) if names[k:] in fused), len(chain)) if fused_tail else len(chain)
-    fastest = [_recompute_alternative(problem.ops[o].alternatives, freed_bytes) for o in chain[:cut]]
-    fastest += [fused[names[cut:]]] if cut < len(chain) else []
     intermediate = sum(problem.tensors[w].bytes for o in chain[:min(cut, len(chain) - 1)] for w in problem.ops[o].writes)
-    time_us = sum(a.time_us for a in fastest)
-    return reads, Alternative("+".join(a.name for a in fastest), time_us, problem.ticks(time_us),
-                              max(a.workspace_bytes for a in fastest) + intermediate,
-                              max(a.sm_demand for a in fastest), max(a.dram_demand for a in fastest))
+    tail = [fused[names[cut:]]] if cut < len(chain) else []
+    ways = []
+    for workspace_limit in (freed_bytes // 4, None):
+        steps = [_recompute_alternative(problem.ops[o].alternatives, workspace_limit) for o in chain[:cut]] + tail
+        time_us = sum(a.time_us for a in steps)
+        if not ways or time_us < ways[0].time_us:
+            ways.append(Alternative("+".join(a.name for a in steps), time_us, problem.ticks(time_us),
+                                    max(a.workspace_bytes for a in steps) + intermediate,
+                                    max(a.sm_demand for a in steps), max(a.dram_demand for a in steps)))
+    return reads, ways
 
 
-def _recompute_alternative(alternatives: list[Alternative], freed_bytes: int) -> Alternative:
-    """A chain op's algorithm when recomputed: the fastest whose workspace is at most a quarter of the bytes the
-    recomputation frees (it runs when memory is tightest), else the leanest."""
-    lean = [a for a in alternatives if a.workspace_bytes <= freed_bytes // 4]
-    if lean:
-        return min(lean, key=lambda a: (a.time_us, a.workspace_bytes))
+def _recompute_alternative(alternatives: list[Alternative], workspace_limit: int | None) -> Alternative:
+    """A chain op's algorithm when recomputed: the fastest whose workspace is within the limit (none: the fastest),
+    else the leanest."""
+    fitting = [a for a in alternatives if workspace_limit is None or a.workspace_bytes <= workspace_limit]
+    if fitting:
+        return min(fitting, key=lambda a: (a.time_us, a.workspace_bytes))
     return min(alternatives, key=lambda a: (a.workspace_bytes, a.time_us))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from planner.problem import Problem
+from planner.problem import Alternative, Problem
 
 Decision = Literal["keep", "offload", "recompute"]
 
@@ -18,6 +18,7 @@ class Schedule:
     d2h_start: dict[int, int] = field(default_factory=dict)
     h2d_start: dict[int, int] = field(default_factory=dict)
     recompute_start: dict[int, int] = field(default_factory=dict)
+    recompute_alt: dict[int, int] = field(default_factory=dict)  # per recomputed tensor; absent = its lean way
     status: str = "heuristic"
 
     def end(self, p: Problem, op: int) -> int:
@@ -25,6 +26,10 @@ class Schedule:
 
     def makespan(self, p: Problem) -> int:
         return max((self.end(p, i) for i in range(len(p.ops))), default=0)
+
+    def recompute(self, p: Problem, t: int) -> Alternative:
+        """What tensor t's recomputation runs as."""
+        return p.tensors[t].recompute_alternatives[self.recompute_alt.get(t, 0)]
 
 
 @dataclass
@@ -47,13 +52,13 @@ class Timed:
 
 def timed(p: Problem, s: Schedule) -> Timed:
     """The schedule's own times, in ticks."""
-    rec = {t: (st, st + p.tensors[t].recompute.duration) for t, st in s.recompute_start.items()}
+    rec = {t: (st, st + s.recompute(p, t).duration) for t, st in s.recompute_start.items()}
     return Timed(
         op_start=list(s.start), op_end=[s.end(p, i) for i in range(len(p.ops))],
         d2h={t: (st, st + p.tensors[t].d2h_ticks) for t, st in s.d2h_start.items()},
         h2d={t: (st, st + p.tensors[t].h2d_ticks) for t, st in s.h2d_start.items()},
         recompute=rec, op_workspace=[o.alternatives[a].workspace_bytes for o, a in zip(p.ops, s.alt)],
-        recompute_workspace={t: p.tensors[t].recompute.workspace_bytes for t in rec})
+        recompute_workspace={t: s.recompute(p, t).workspace_bytes for t in rec})
 
 
 def residency(p: Problem, decision: dict[int, Decision], tm: Timed) -> list[list[tuple[float, float]]]:
@@ -121,5 +126,6 @@ def peaks_within(p: Problem, s: Schedule, cap_bytes: int) -> bool:
 def loose_horizon(p: Problem) -> int:
     """Every op, copy and recomputation one after another at its slowest: no optimal schedule is longer."""
     total = sum(max(a.duration for a in o.alternatives) for o in p.ops)
-    total += sum(t.d2h_ticks + t.h2d_ticks + (t.recompute.duration if t.recompute else 0) for t in p.tensors)
+    total += sum(t.d2h_ticks + t.h2d_ticks + max((a.duration for a in t.recompute_alternatives), default=0)
+                 for t in p.tensors)
     return total

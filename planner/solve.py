@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Literal
 
-from planner.arena_fit import arena_fit, device_bytes, fits_device, plan_of, solver_cap
+from planner.arena_fit import arena_fit, deep_fit, device_bytes, fits_device, plan_of, solver_cap
 from planner.bounds import lower_bounds_us
 from planner.memory_bounds import memory_lower_bound
 from planner.budget import (BOUND_S_PER_OP, CPSAT_WALL_PER_DET, LAYOUT_S_PER_OP, MIN_SEARCH_SHARE, RUNAWAY, charged_s,
                             final_checks_s)
+from planner.deep import deep_tensors, with_deep
 from planner.decisions import FIT_EVALS, LIST_SLACKS, QUICK_EVALS, best_heuristic, fit_slack
-from planner.deep import deep_recomputations
 from planner.files import PlannerError
 from planner.fuse import concat_view_candidates, concat_view_nodes, with_concat_views
 from planner.heuristic import Work, cost, list_schedule, serial_baseline
@@ -268,9 +268,12 @@ def _solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Option
             target, hint = fuller_target, fuller
             if first_s is None:  # the quick heuristic fitted nothing: this is the first valid plan
                 first(target, hint)
-    deeper = deep_recomputations(p, target, options.streams, hint, slack, work) if hint is not None else None
-    if deeper is not None and fits(plan_of(graph, *deeper, target, options.streams)):
-        p, hint = deeper  # the bounds stay those of the shallow problem: a deep recomputation only adds work
+    deeper = (deep_fit(graph, p, cap_bytes, target, options.streams, hint, slack, fits, work) if hint is not None
+              else None)
+    if deeper is not None:  # the bounds stay those of the shallow problem: a deep recomputation only adds work
+        target, p, hint = deeper
+        if p1 is not shallow:  # the serial form (`done`) runs the same recomputations
+            p1 = with_deep(p1, deep_tensors(p, shallow))
     try:
         plan = final(target, hint)
     except CapTooSmall as e:

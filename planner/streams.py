@@ -33,7 +33,8 @@ def schedule_items(p: Problem, s: Schedule) -> list[Item]:
     items = [Item("op", i, s.start[i], s.end(p, i), p.ops[i].alternatives[s.alt[i]].time_us)
              for i in range(len(p.ops))]
     for t, st in s.recompute_start.items():
-        items.append(Item("recompute", t, st, st + p.tensors[t].recompute.duration, p.tensors[t].recompute.time_us))
+        alt = s.recompute(p, t)
+        items.append(Item("recompute", t, st, st + alt.duration, alt.time_us))
     for t, st in s.d2h_start.items():
         items.append(Item("d2h", t, st, st + p.tensors[t].d2h_ticks, p.tensors[t].d2h_us))
     for t, st in s.h2d_start.items():
@@ -106,7 +107,7 @@ def build_plan(graph: Graph, p: Problem, s: Schedule, totals: Totals, streams_li
                h2d={t: (start[pos["h2d", t]], end[pos["h2d", t]]) for t in s.h2d_start},
                recompute={t: (start[pos["recompute", t]], end[pos["recompute", t]]) for t in s.recompute_start},
                op_workspace=[o.alternatives[a].workspace_bytes for o, a in zip(p.ops, s.alt)],
-               recompute_workspace={t: p.tensors[t].recompute.workspace_bytes for t in s.recompute_start})
+               recompute_workspace={t: s.recompute(p, t).workspace_bytes for t in s.recompute_start})
     ops, copies = [], []
     for k, it in enumerate(items):
         common = dict(stream=it.stream, start_us=start[k], end_us=end[k], record_event=event.get(k),
@@ -114,7 +115,7 @@ def build_plan(graph: Graph, p: Problem, s: Schedule, totals: Totals, streams_li
         if it.kind in ("op", "recompute"):
             op_i = it.index if it.kind == "op" else p.tensors[it.index].producer
             op = p.ops[op_i]
-            alt = op.alternatives[s.alt[op_i]] if it.kind == "op" else p.tensors[it.index].recompute
+            alt = op.alternatives[s.alt[op_i]] if it.kind == "op" else s.recompute(p, it.index)
             ops.append(ScheduledOp(
                 node=op.name, algorithm=alt.name, workspace_bytes=alt.workspace_bytes,
                 sm_fraction=alt.sm_demand / SM_CAPACITY, dram_fraction=alt.dram_demand / DRAM_CAPACITY, **common,

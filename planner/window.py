@@ -54,7 +54,7 @@ def items_of(p: Problem, s: Schedule) -> list[Item]:
     """Every op, recomputation and copy of the schedule, in start order."""
     items = [Item("op", i, s.start[i], o.alternatives, s.alt[i]) for i, o in enumerate(p.ops)]
     for t, st in s.recompute_start.items():
-        items.append(Item("recompute", t, st, [p.tensors[t].recompute], 0))
+        items.append(Item("recompute", t, st, p.tensors[t].recompute_alternatives, s.recompute_alt.get(t, 0)))
     for kind, starts, ticks in (("d2h", s.d2h_start, "d2h_ticks"), ("h2d", s.h2d_start, "h2d_ticks")):
         for t, st in starts.items():
             items.append(Item(kind, t, st, [Alternative(kind, 0.0, getattr(p.tensors[t], ticks), 0, 0)], 0))
@@ -236,7 +236,8 @@ def _solve_window(items: list[Item], edges: list[tuple[int, int]], t0: int, t1: 
 def apply(s: Schedule, items: list[Item], move: Move) -> Schedule:
     """The schedule with the move made."""
     out = Schedule(alt=list(s.alt), start=list(s.start), decision=dict(s.decision), d2h_start=dict(s.d2h_start),
-                   h2d_start=dict(s.h2d_start), recompute_start=dict(s.recompute_start), status=s.status)
+                   h2d_start=dict(s.h2d_start), recompute_start=dict(s.recompute_start),
+                   recompute_alt=dict(s.recompute_alt), status=s.status)
     starts = {"d2h": out.d2h_start, "h2d": out.h2d_start, "recompute": out.recompute_start}
     for k, it in enumerate(items):
         if k in move.free:
@@ -249,6 +250,10 @@ def apply(s: Schedule, items: list[Item], move: Move) -> Schedule:
             out.start[it.index], out.alt[it.index] = start, alt
         else:
             starts[it.kind][it.index] = start
+        if it.kind == "recompute":
+            out.recompute_alt.pop(it.index, None)
+            if alt:
+                out.recompute_alt[it.index] = alt
     return out
 
 

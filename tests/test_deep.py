@@ -42,7 +42,7 @@ def test_a_deep_recomputation_reruns_the_convolution_its_chain_reads(googlenet_b
     relu, conv = _named(p, "/conv1/Relu_output_0"), _named(p, "/conv1/conv/Conv_output_0")
     tu = p.tensors[relu]
     assert conv in tu.recompute_reads and tu.recompute.name.startswith(FUSED_RECOMPUTE)
-    chain, reads, alternative = tu.deep
+    chain, reads, (alternative, *_) = tu.deep
     assert chain == p.tensors[conv].recompute_chain + tu.recompute_chain
     assert conv not in reads and set(p.tensors[conv].recompute_reads) <= set(reads)
     first, fused = alternative.name.split("+")  # the convolution, then the fused tail
@@ -55,9 +55,9 @@ def test_with_deep_changes_only_the_tensors_it_is_given(googlenet_b1):
     p = googlenet_b1
     relu = _named(p, "/conv1/Relu_output_0")
     q = with_deep(p, {relu})
-    chain, reads, alternative = p.tensors[relu].deep
-    assert (q.tensors[relu].recompute_chain, q.tensors[relu].recompute_reads, q.tensors[relu].recompute) == (
-        chain, reads, alternative)
+    chain, reads, alternatives = p.tensors[relu].deep
+    assert (q.tensors[relu].recompute_chain, q.tensors[relu].recompute_reads,
+            q.tensors[relu].recompute_alternatives) == (chain, reads, alternatives)
     assert all(q.tensors[t] is p.tensors[t] for t in range(len(p.tensors)) if t != relu)
     assert p.tensors[relu].recompute_chain != chain  # the problem given is left alone
 
