@@ -4,11 +4,12 @@ fits, and the plan runs the one chosen."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_solver import MODELS, _plan_of, chain_problem
+from test_solver import MODELS, _plan_of, chain_problem, solve_tiny
 
 from planner import cpsat
 from planner.bounds import lower_bounds_us
@@ -116,3 +117,26 @@ def test_the_memory_cut_prices_a_recomputation_at_its_cheapest_way():
     both, lean = lower_bounds_us(p, 4, CAP)["memory_cut"], lower_bounds_us(lean_only(p), 4, CAP)["memory_cut"]
     assert both < lean
     assert both <= cpsat.solve(p, CAP, 4, 200, time_limit_s=10, workers=2).schedule.makespan(p)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_chains_with_two_way_recomputations_solve_and_check(seed):
+    """Random chain_problems: each a_i recomputed lean in 2-6 ticks or in 1 tick with 100-1500 bytes of workspace
+    (at full or half the SMs), under a random cap. CP-SAT's optimum with both ways is never above the lean ways'
+    optimum, and its plan, and that plan refined window by window, pass the independent check within the cap."""
+    rng = random.Random(300 + seed)
+    depth = rng.randint(5, 8)
+    p = chain_problem(depth)
+    for t in p.tensors:
+        if t.can_recompute:
+            t.can_offload, lean_ticks = False, rng.randint(2, 6)
+            t.recompute_alternatives = [Alternative("lean", lean_ticks, lean_ticks, 0, 100),
+                                        Alternative("fast", 1, 1, rng.choice([100, 500, 1500]), rng.choice([50, 100]))]
+    cap = int(50 + 1000 * depth * rng.uniform(0.55, 0.9))
+    both, lean = solve_tiny(p, cap, 4), solve_tiny(lean_only(p), cap, 4)
+    assert both.status == lean.status == "OPTIMAL"
+    assert both.schedule.makespan(p) <= lean.schedule.makespan(p)
+    refined, _, _ = refine(p, cap, 4, both.schedule, budget_s=1.0)
+    for s in (both.schedule, refined):
+        plan = _plan_of(p, s, cap)
+        assert check_plan(plan).ok and plan.totals.peak_bytes <= cap
