@@ -384,9 +384,7 @@ def solve(p: Problem, cap_bytes: int, streams: int, horizon: int, time_limit_s: 
         elif solver.boolean_value(v.recompute[t]):
             s.decision[t] = "recompute"
             s.recompute_start[t] = solver.value(v.rec[t].start_expr())
-            way = next(a for a, (lit, _) in enumerate(v.rec_runs[t]) if solver.boolean_value(lit))
-            if way:
-                s.recompute_alt[t] = way
+            s.recompute_alt[t] = next(a for a, (lit, _) in enumerate(v.rec_runs[t]) if solver.boolean_value(lit))
     if minimize_memory:
         return SolveResult(s, name, p.resident_bytes + int(solver.best_objective_bound), wall, callback.count,
                            p.resident_bytes + solver.value(v.peak))

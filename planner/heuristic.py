@@ -294,7 +294,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
         work.jobs += len(jobs)
     s.alt, s.start = choice[:n], start[:n]
     s.recompute_start = {t: start[n + k] for k, t in enumerate(rec)}
-    s.recompute_alt = {t: choice[n + k] for k, t in enumerate(rec) if choice[n + k]}
+    s.recompute_alt = {t: choice[n + k] for k, t in enumerate(rec)}
     return Outcome(s, s.makespan(p), over, overflow, over_at, reserve)
 
 

@@ -18,7 +18,7 @@ class Schedule:
     d2h_start: dict[int, int] = field(default_factory=dict)
     h2d_start: dict[int, int] = field(default_factory=dict)
     recompute_start: dict[int, int] = field(default_factory=dict)
-    recompute_alt: dict[int, int] = field(default_factory=dict)  # per recomputed tensor; absent = its lean way
+    recompute_alt: dict[int, int] = field(default_factory=dict)  # per recomputed tensor its way; absent: the lean one
     status: str = "heuristic"
 
     def end(self, p: Problem, op: int) -> int:

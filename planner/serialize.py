@@ -80,9 +80,8 @@ def serialized(p: Problem, plan: Plan, alt: list[int], wait_out: bool = True) ->
             s.start[i], now = now, now + p.ops[i].alternatives[alt[i]].duration
             ended[i] = now
         else:
-            way = next(a for a, x in enumerate(p.tensors[i].recompute_alternatives) if x.name == item.algorithm)
-            if way:
-                s.recompute_alt[i] = way
+            ways = p.tensors[i].recompute_alternatives
+            s.recompute_alt[i] = next(a for a, x in enumerate(ways) if x.name == item.algorithm)
             s.recompute_start[i], now = now, now + s.recompute(p, i).duration
         copy_out_written()
     return s

@@ -251,9 +251,7 @@ def apply(s: Schedule, items: list[Item], move: Move) -> Schedule:
         else:
             starts[it.kind][it.index] = start
         if it.kind == "recompute":
-            out.recompute_alt.pop(it.index, None)
-            if alt:
-                out.recompute_alt[it.index] = alt
+            out.recompute_alt[it.index] = alt
     return out
 
 
