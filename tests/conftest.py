@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 MODELS = Path(__file__).parent / "models"
+PROFILES = Path(__file__).parent.parent / "profiles"
 
 
 @lru_cache(maxsize=1)
@@ -31,3 +32,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def models() -> Path:
     return MODELS
+
+
+@pytest.fixture(scope="session")
+def googlenet_train_b32():
+    """GoogLeNet training b32 fp16's problem on the shipped H100 profile, its concats as views (as solve takes
+    them): what the capped plans are solved from. Built once; tests only read it."""
+    from planner.files import load_model
+    from planner.fuse import concat_view_candidates, with_concat_views
+    from planner.onnx_import import import_onnx
+    from planner.problem import build_problem
+    from planner.profile import Profile
+    from planner.training import build_training
+
+    g = build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=32, dtype="fp16", training=True))
+    profile = load_model(Profile, PROFILES / "googlenet.train.b32.fp16.json")
+    g, profile = with_concat_views(g, concat_view_candidates(g)), profile.model_copy(update={"graph_sha256": None})
+    return build_problem(g, profile, streams=4)

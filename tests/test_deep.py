@@ -3,7 +3,6 @@ per tensor, taken only where the list schedule gets cheaper under the cap, and e
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from test_solver import H100, MODELS, _plan_of
@@ -12,17 +11,12 @@ from planner.analytic import estimate_profile
 from planner.check import check_plan
 from planner.decisions import best_heuristic, fit_slack
 from planner.deep import deep_recomputations, with_deep
-from planner.files import load_model
-from planner.fuse import concat_view_candidates, with_concat_views
 from planner.heuristic import cost, list_schedule
 from planner.onnx_import import import_onnx
 from planner.plan import FUSED_RECOMPUTE
 from planner.problem import build_problem
-from planner.profile import Profile
 from planner.schedule import peak_memory, timed
 from planner.training import build_training
-
-PROFILES = Path(__file__).parent.parent / "profiles"
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +71,11 @@ def test_a_schedule_with_a_deep_recomputation_checks(googlenet_b1):
     assert check_plan(plan).ok
 
 
-def test_deep_recomputations_speed_up_googlenet_at_35_percent_and_leave_50_percent_alone():
+def test_deep_recomputations_speed_up_googlenet_at_35_percent_and_leave_50_percent_alone(googlenet_train_b32):
     """GoogLeNet training b32 fp16 (measured H100 profile, concats as views), the heuristic's plan under the
     solver caps of 35% and 50% of its serial peak: at 35% re-running conv1 to recompute its ReLU output (instead
     of offloading that output) makes the list schedule over 20% cheaper within the cap; at 50% nothing gains."""
-    g = build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=32, dtype="fp16", training=True))
-    profile = load_model(Profile, PROFILES / "googlenet.train.b32.fp16.json")
-    g, profile = with_concat_views(g, concat_view_candidates(g)), profile.model_copy(update={"graph_sha256": None})
-    p = build_problem(g, profile, streams=4)
+    p = googlenet_train_b32
     slack = fit_slack(p, 4)
     for mib, gains in ((213.13, True), (318.72, False)):
         cap = int(mib * 2**20)

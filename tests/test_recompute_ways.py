@@ -6,27 +6,20 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from test_solver import MODELS, _plan_of, chain_problem, solve_tiny
+from test_solver import _plan_of, chain_problem, solve_tiny
 
 from planner import cpsat
 from planner.bounds import lower_bounds_us
 from planner.check import check_plan
-from planner.files import load_model
-from planner.fuse import concat_view_candidates, with_concat_views
 from planner.heuristic import list_schedule
-from planner.onnx_import import import_onnx
 from planner.plan import FUSED_RECOMPUTE
-from planner.problem import Alternative, build_problem
-from planner.profile import Profile
+from planner.problem import Alternative
 from planner.refine import refine
 from planner.schedule import timed
 from planner.serialize import serialized
-from planner.training import build_training
 
-PROFILES = Path(__file__).parent.parent / "profiles"
 LEAN = Alternative("lean", 6.0, 6, 0, 100)
 CAP = 4000  # chain_problem(6) keeps 6000 bytes of a_i at the turn: under this, some must be recomputed
 
@@ -46,14 +39,11 @@ def lean_only(p):
     return replace(p, tensors=[replace(t, recompute_alternatives=t.recompute_alternatives[:1]) for t in p.tensors])
 
 
-def test_conv1_recomputes_lean_or_fast():
+def test_conv1_recomputes_lean_or_fast(googlenet_train_b32):
     """GoogLeNet training b32 fp16 on the measured H100 profile: conv1's output (49 MiB) recomputes lean in
     196.7 us (no workspace) or in 91.0 us with 12.3 MiB of it, just over a quarter of what it frees; a ReLU
     output recomputed as the fused kernel has that one way; every faster way needs more workspace."""
-    g = build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=32, dtype="fp16", training=True))
-    profile = load_model(Profile, PROFILES / "googlenet.train.b32.fp16.json")
-    g, profile = with_concat_views(g, concat_view_candidates(g)), profile.model_copy(update={"graph_sha256": None})
-    p = build_problem(g, profile, streams=4)
+    p = googlenet_train_b32
     conv1 = next(t for t in p.tensors if t.name == "/conv1/conv/Conv_output_0")
     lean, fast = conv1.recompute_alternatives
     assert conv1.recompute is lean and lean.workspace_bytes <= conv1.bytes // 4 < fast.workspace_bytes
