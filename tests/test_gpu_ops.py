@@ -42,6 +42,10 @@ def _pool_cases():
         _pool("avg", (3, 3), (1, 1), (1, 1, 1, 1), count_include_pad=1),
         _pool("avg", (3, 3), (2, 2), (1, 1, 1, 1), ceil_mode=1, count_include_pad=1, x=(2, 6, 10, 9)),
         _pool("avg", (2, 2), (2, 2), (0, 0, 0, 0)),
+        _pool("avg", (3, 3), (1, 1), (1, 1, 1, 1), count_include_pad=1, x=(2, 16, 7, 6)),  # 16-byte groups
+        _pool("avg", (2, 2), (2, 2), (0, 0, 0, 0), x=(2, 24, 8, 6)),
+        _pool("avg", (3, 3), (2, 2), (1, 0, 0, 1), ceil_mode=1, x=(2, 16, 10, 11)),
+        _pool("avg", (5, 3), (2, 1), (2, 1, 2, 1), count_include_pad=1, x=(2, 16, 9, 7)),  # the general window
     ]
     cases = []
     for attrs, x in geometries:

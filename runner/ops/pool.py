@@ -2,8 +2,8 @@
 explicit [t, l, b, r] pads, dilations (max), ceil_mode windows that run past the pads (never counted), and
 count_include_pad counting the explicit pads only.
 
-Threads map to consecutive channels, so every load is coalesced; max pooling gives each thread a group of
-channels read with 16-byte accesses (eight fp16 values) when the channel count allows. Gradients gather rather
+Threads map to consecutive channels, so every load is coalesced; each thread takes a group of channels read
+with 16-byte accesses (eight fp16 values) when the channel count and alignment allow. Gradients gather rather
 than scatter: each dx element sums the windows that cover it, so there are no atomics and no zero-fill.
 maxpool_bwd first records each window's first maximum (row-major order, as the reference's argmax) in the
 workspace, then gathers.
@@ -17,8 +17,6 @@ from runner.ops.common import (
 from runner.ops.reduce import Reduction
 
 SRC = r"""
-#define DECODE_OUT int c = i % C, t = i / C, q = t % Q; t /= Q; int p = t % P, b = t / P;
-#define DECODE_IN int c = i % C, t = i / C, w = t % W; t /= W; int h = t % H, b = t / H;
 #define X_AT(hh, ww) (((long long)(b * H + (hh)) * W + (ww)) * C + c)
 #define Y_AT(pp, qq) (((long long)(b * P + (pp)) * Q + (qq)) * C + c)
 #define GEOMETRY int C, int H, int W, int P, int Q, int kh, int kw, int sh, int sw
@@ -197,34 +195,62 @@ __device__ __forceinline__ int avg_count(int hs, int ws, int kh, int kw, int H, 
     return (min(hs + kh, H) - max(hs, 0)) * (min(ws + kw, W) - max(ws, 0));
 }
 
-extern "C" __global__ void avgpool_fwd(const T* x, T* y, int n, GEOMETRY, int pt, int pl, int pb, int pr,
-                                       int include_pad) {
+// y = window mean, V channels a thread (16-byte accesses when VEC); K > 0: a K x K window, unrolled
+template <int V, int K> __device__ void avgpool_groups(const T* x, T* y, int n, GEOMETRY, int pt, int pl, int pb,
+                                                       int pr, int include_pad) {
+    const int dh = 1, dw = 1;  // FOR_TAPS's dilations
     GRID_LOOP(i, n) {
-        DECODE_OUT
-        int hs = p * sh - pt, ws = q * sw - pl;
-        float acc = 0.f;
-        for (int h = max(hs, 0); h < min(hs + kh, H); ++h)
-            for (int w = max(ws, 0); w < min(ws + kw, W); ++w) acc += ld(x, X_AT(h, w));
-        st(y, i, acc / avg_count(hs, ws, kh, kw, H, W, pt, pl, pb, pr, include_pad));
+        GROUP_OUT(V)
+        float acc[V], v[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] = 0.f;
+        FOR_TAPS(K,
+            ldv<V>(x, X_AT(h, w), v);
+            _Pragma("unroll") for (int e = 0; e < V; ++e) acc[e] += v[e];
+        )
+        float scale = 1.f / avg_count(p * sh - pt, q * sw - pl, kh, kw, H, W, pt, pl, pb, pr, include_pad);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] *= scale;
+        stv<V>(y, Y_AT(p, q), acc);
     }
 }
 
-extern "C" __global__ void avgpool_bwd(const T* dy, T* dx, int n, GEOMETRY, int pt, int pl, int pb, int pr,
-                                       int include_pad) {
+// dx gathers dy / count from every window that covers it, V channels a thread: windows from the last covering
+// (h, w) back while they still reach it, so no division per window (as maxpool_bwd_groups' UNIT path)
+template <int V> __device__ void avgpool_bwd_groups(const T* dy, T* dx, int n, GEOMETRY, int pt, int pl, int pb,
+                                                    int pr, int include_pad) {
     GRID_LOOP(i, n) {
-        DECODE_IN
+        GROUP_IN(V)
         int hp = h + pt, wp = w + pl;
-        int lo = hp - kh + 1, p0 = lo <= 0 ? 0 : (lo + sh - 1) / sh, p1 = min(P - 1, hp / sh);
-        lo = wp - kw + 1;
-        int q0 = lo <= 0 ? 0 : (lo + sw - 1) / sw, q1 = min(Q - 1, wp / sw);
-        float acc = 0.f;
-        for (int p = p0; p <= p1; ++p)
-            for (int q = q0; q <= q1; ++q)
-                acc += ld(dy, Y_AT(p, q)) / avg_count(p * sh - pt, q * sw - pl, kh, kw, H, W, pt, pl, pb, pr,
-                                                      include_pad);
-        st(dx, i, acc);
+        float acc[V], grad[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] = 0.f;
+        for (int p = min(P - 1, hp / sh); p >= 0 && hp - p * sh < kh; --p) {
+            for (int q = min(Q - 1, wp / sw); q >= 0 && wp - q * sw < kw; --q) {
+                float scale = 1.f / avg_count(p * sh - pt, q * sw - pl, kh, kw, H, W, pt, pl, pb, pr, include_pad);
+                ldv<V>(dy, Y_AT(p, q), grad);
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[e] += grad[e] * scale;
+            }
+        }
+        stv<V>(dx, X_AT(h, w), acc);
     }
 }
+
+#define AVG_ARGS C, H, W, P, Q, kh, kw, sh, sw, pt, pl, pb, pr, include_pad
+#define AVGPOOL(SUFFIX, V) \
+extern "C" __global__ void avgpool_fwd##SUFFIX(const T* x, T* y, int n, GEOMETRY, int pt, int pl, int pb, int pr, \
+                                               int include_pad) { \
+    if (kh == 3 && kw == 3) avgpool_groups<V, 3>(x, y, n, AVG_ARGS); \
+    else if (kh == 2 && kw == 2) avgpool_groups<V, 2>(x, y, n, AVG_ARGS); \
+    else avgpool_groups<V, 0>(x, y, n, AVG_ARGS); \
+} \
+extern "C" __global__ void avgpool_bwd##SUFFIX(const T* dy, T* dx, int n, GEOMETRY, int pt, int pl, int pb, int pr, \
+                                               int include_pad) { \
+    avgpool_bwd_groups<V>(dy, dx, n, AVG_ARGS); \
+}
+AVGPOOL(_1, 1)
+AVGPOOL(_vec, VEC)
 
 extern "C" __global__ void globalavgpool_bwd(const T* dy, T* dx, int n, int C, int HWC, float scale) {
     GRID_LOOP(i, n) st(dx, i, ld(dy, (long long)(i / HWC) * C + i % C) * scale);
@@ -257,24 +283,20 @@ class Pool(SingleKernelOp):
 
     def run(self, inputs, outputs, workspace):
         args = self.geometry + self.extra
-        if self.kind.startswith("maxpool"):
-            arrays = [*inputs, *outputs] + ([workspace] if self.kind == "maxpool_bwd" else [])
-            width = vector_width(self.dtype, *arrays)
-            width = width if int(self.geometry[0]) % width == 0 else 1
-            suffix = "_vec" if width > 1 else "_1"
-            if self.kind == "maxpool":
-                n = self.y_numel // width
-                launch_1d(kernel(SRC, "maxpool_fwd" + suffix, self.dtype), n, inputs[0], outputs[0], i32(n), *args)
-                return
+        arrays = [*inputs, *outputs] + ([workspace] if self.kind == "maxpool_bwd" else [])
+        width = vector_width(self.dtype, *arrays)
+        width = width if int(self.geometry[0]) % width == 0 else 1
+        suffix = "_vec" if width > 1 else "_1"
+        if self.kind == "maxpool_bwd":
             x, dy = inputs
             n = self.y_numel // width
             launch_1d(kernel(SRC, "maxpool_argmax" + suffix, self.dtype), n, x, workspace, i32(n), *args)
             n = self.x_numel // width
             launch_1d(kernel(SRC, "maxpool_bwd" + suffix, self.dtype), n, workspace, dy, outputs[0], i32(n), *args)
             return
-        n = self.x_numel if self.kind == "avgpool_bwd" else self.y_numel
-        name = {"avgpool": "avgpool_fwd", "avgpool_bwd": "avgpool_bwd"}[self.kind]
-        launch_1d(kernel(SRC, name, self.dtype), n, inputs[0], outputs[0], i32(n), *args)
+        n = (self.x_numel if self.kind == "avgpool_bwd" else self.y_numel) // width
+        name = {"maxpool": "maxpool_fwd", "avgpool": "avgpool_fwd", "avgpool_bwd": "avgpool_bwd"}[self.kind]
+        launch_1d(kernel(SRC, name + suffix, self.dtype), n, inputs[0], outputs[0], i32(n), *args)
 
 
 class GlobalAvgPool(SingleKernelOp):
