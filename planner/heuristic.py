@@ -106,7 +106,8 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
     tail = _tails(p, jobs, preds, rec, needers)
     by_speed = [_within_slack(alts, slack) for alts in jobs]
     for ways in by_speed[n:]:  # a recomputation falls back on its lean way, where a faster one does not fit
-        ways += [0] if 0 not in ways else []
+        if 0 not in ways:
+            ways.append(0)
     first_workspace = [alts[0].workspace_bytes for alts in jobs]  # ranks the ready jobs (below)
     made_bytes = [sum(tensors[t].bytes for t in op.writes if len(tensors[t].writers) == 1) for op in p.ops]
     made_bytes += [tensors[t].bytes for t in rec]

@@ -216,7 +216,8 @@ template <int V, int K> __device__ void avgpool_groups(const T* x, T* y, int n, 
 }
 
 // dx gathers dy / count from every window that covers it, V channels a thread: windows from the last covering
-// (h, w) back while they still reach it, so no division per window (as maxpool_bwd_groups' UNIT path)
+// (h, w) back while they still reach it, so no integer division per window (as maxpool_bwd_groups' UNIT
+// path); each window's 1 / count stays one float division
 template <int V> __device__ void avgpool_bwd_groups(const T* dy, T* dx, int n, GEOMETRY, int pt, int pl, int pb,
                                                     int pr, int include_pad) {
     GRID_LOOP(i, n) {
