@@ -1,5 +1,6 @@
-"""`planner calibrate` over files: pair each run report with its plan, fit the dispatch time (and from traces the
-copy slowdown), show the fit and how ops slow beside others, and write the fitted values."""
+"""`planner calibrate` over files: pair each run report with its plan, fit the dispatch time and co-running
+slowdown (and from traces the copy slowdown), show the fit and how ops slow beside others, and write the fitted
+values."""
 
 from __future__ import annotations
 
@@ -32,9 +33,13 @@ def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[
     copy_slowdown = fit_copy_slowdown(copies)
     for r in runs:
         r.copy_slowdown = copy_slowdown
-    dispatch, one_stream_dispatch, interference = fit(runs)
+    fitted_values = fit(runs)
+    interference = fitted_values.copy_interference
     fitted = [f"dispatch time per op {d:.2f} us{where}" for d, where in
-              ((dispatch, " on several streams"), (one_stream_dispatch, " on one stream")) if d is not None]
+              ((fitted_values.dispatch_us, " on several streams"),
+               (fitted_values.one_stream_dispatch_us, " on one stream")) if d is not None]
+    if fitted_values.co_running is not None:
+        fitted.append(f"co-running slowdown k {fitted_values.co_running:.2f}")
     fitted += [f"{d} copies x{v:.3f}" for d, v in copy_slowdown.items()]
     if not any(r.plan.copies for r in runs):
         interference = None  # nothing to fit it from: the stored value stays
@@ -55,8 +60,8 @@ def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[
         for what, count, alone_us, inside_us in co_running_rows(beside):
             table.add_row(what, str(count), f"{alone_us:.1f}", f"{inside_us:.1f}", f"x{inside_us / alone_us:.2f}")
         console.print(table)
-    for path in write_calibration(write or [], fingerprints.pop(), mode, dispatch, copy_slowdown, interference,
-                                  one_stream_dispatch):
+    for path in write_calibration(write or [], fingerprints.pop(), mode, fitted_values.dispatch_us, copy_slowdown,
+                                  interference, fitted_values.one_stream_dispatch_us, fitted_values.co_running):
         console.print(f"calibration written to {path}")
 
 

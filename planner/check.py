@@ -27,7 +27,7 @@ class CheckReport:
         return not self.violations
 
 
-def _key(item: ScheduledOp | Copy) -> tuple:
+def item_key(item: ScheduledOp | Copy) -> tuple:
     if isinstance(item, ScheduledOp):
         return ("op", item.node, item.recompute_of)
     return (item.direction, item.tensor)
@@ -50,13 +50,13 @@ def simulate(plan: Plan) -> tuple[dict[tuple, tuple[float, float]], list[str]]:
             while heads[s] < len(items) and all(e in event_time for e in items[heads[s]].wait_events):
                 it = items[heads[s]]
                 start = max([stream_free[s], *(event_time[e] for e in it.wait_events)])
-                times[_key(it)] = (start, start + it.end_us - it.start_us)
-                stream_free[s] = times[_key(it)][1]
+                times[item_key(it)] = (start, start + it.end_us - it.start_us)
+                stream_free[s] = times[item_key(it)][1]
                 if it.record_event:
                     event_time[it.record_event] = stream_free[s]
                 heads[s] += 1
                 progress = True
-    stuck = [f"{_key(items[heads[s]])} on stream {s} waits on an event never recorded before it"
+    stuck = [f"{item_key(items[heads[s]])} on stream {s} waits on an event never recorded before it"
              for s, items in queues.items() if heads[s] < len(items)]
     return times, stuck
 
@@ -71,7 +71,7 @@ def check_plan(plan: Plan) -> CheckReport:
     makespan = max((e for _, e in at.values()), default=0.0)
 
     def span(op: ScheduledOp) -> tuple[float, float]:
-        return at[_key(op)]
+        return at[item_key(op)]
 
     for op in plan.ops:
         s, _ = span(op)
@@ -81,7 +81,7 @@ def check_plan(plan: Plan) -> CheckReport:
             elif span(ops[d])[1] > s + EPS_US:
                 v.append(f"op {op.node} starts at {s:.1f} us before its dependency {d} ends")
     for direction in ("d2h", "h2d"):
-        spans = sorted(at[_key(c)] for c in plan.copies if c.direction == direction)
+        spans = sorted(at[item_key(c)] for c in plan.copies if c.direction == direction)
         for (a0, a1), (b0, _) in zip(spans, spans[1:]):
             if b0 < a1 - EPS_US:
                 v.append(f"two {direction} copies overlap at {b0:.1f} us")
@@ -105,15 +105,16 @@ def _check_memory(plan: Plan, at: dict, makespan: float, v: list[str]) -> int:
                 writers.setdefault(t, []).append(op)
         for t in op.reads:
             readers.setdefault(t, []).append(op)
-    copy = {(c.direction, c.tensor): at[_key(c)] for c in plan.copies}
+    copy = {(c.direction, c.tensor): at[item_key(c)] for c in plan.copies}
     events: list[tuple[float, int, str]] = []
     for r in plan.tensors:
-        spans = [at[_key(w)] for w in writers.get(r.tensor, [])]
+        spans = [at[item_key(w)] for w in writers.get(r.tensor, [])]
         born = min((a for a, _ in spans), default=0.0)
         written = max((b for _, b in spans), default=0.0)
-        early_end = max([written, *(at[_key(op)][1] for op in readers.get(r.tensor, []) if not r.second_serves(op))])
+        early_end = max([written, *(at[item_key(op)][1] for op in readers.get(r.tensor, [])
+                                    if not r.second_serves(op))])
         late_ops = [op for op in readers.get(r.tensor, []) if r.second_serves(op)]
-        late_end = max((at[_key(op)][1] for op in late_ops), default=early_end)
+        late_end = max((at[item_key(op)][1] for op in late_ops), default=early_end)
         if r.is_output:
             early_end = makespan
         if r.decision == "keep":
@@ -129,27 +130,27 @@ def _check_memory(plan: Plan, at: dict, makespan: float, v: list[str]) -> int:
                 v.append(f"tensor {r.tensor} is copied back before its copy out ends")
             lives = [(born, max(early_end, d2h[1])), (h2d[0], late_end)]
             for op in late_ops:
-                if at[_key(op)][0] < h2d[1] - EPS_US:
+                if at[item_key(op)][0] < h2d[1] - EPS_US:
                     v.append(f"op {op.node} reads offloaded {r.tensor} before it is back")
         else:
             rec = next((op for op in plan.ops if op.recompute_of == r.tensor), None)
             if rec is None:
                 v.append(f"tensor {r.tensor} is marked recomputed but nothing recomputes it")
                 continue
-            rs, re_ = at[_key(rec)]
+            rs, re_ = at[item_key(rec)]
             lives = [(born, early_end), (rs, late_end)]
             for op in late_ops:
-                if at[_key(op)][0] < re_ - EPS_US:
+                if at[item_key(op)][0] < re_ - EPS_US:
                     v.append(f"op {op.node} reads recomputed {r.tensor} before it is recomputed")
         for a, b in lives:
             events += [(a, r.bytes, r.tensor), (b, -r.bytes, r.tensor)]
         for op in readers.get(r.tensor, []):
-            s, e = at[_key(op)]
+            s, e = at[item_key(op)]
             if not any(a - EPS_US <= s and e <= b + EPS_US for a, b in lives):
                 v.append(f"op {op.node} reads {r.tensor} while it is not on the device")
     for op in plan.ops:
         if op.workspace_bytes:
-            s, e = at[_key(op)]
+            s, e = at[item_key(op)]
             events += [(s, op.workspace_bytes, f"workspace of {op.node}"), (e, -op.workspace_bytes, "")]
     live, peak = plan.totals.resident_bytes, plan.totals.resident_bytes
     for instant, delta, what in sorted(events, key=lambda x: (x[0], x[1])):
@@ -164,7 +165,7 @@ def _check_memory(plan: Plan, at: dict, makespan: float, v: list[str]) -> int:
 def _check_share(plan: Plan, at: dict, v: list[str], field_name: str, what: str) -> None:
     events = []
     for op in plan.ops:
-        s, e = at[_key(op)]
+        s, e = at[item_key(op)]
         fraction = getattr(op, field_name)
         events += [(s, fraction, op.node), (e, -fraction, op.node)]
     share = 0.0

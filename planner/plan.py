@@ -28,6 +28,8 @@ class ScheduledOp(BaseModel):
     reads: list[str] = Field(default_factory=list, description="non-persistent tensors (storages) it reads")
     writes: list[str] = Field(default_factory=list, description="non-persistent tensors (storages) it creates")
     deps: list[str] = Field(default_factory=list, description="ops that must end before it starts (graph edges)")
+    slowdown: float = Field(1.0, description="its duration over its priced time alone: what the ops beside it "
+                            "cost it (planner.co_running)")
 
     @property
     def trace_label(self) -> str:
@@ -94,6 +96,8 @@ class Totals(BaseModel):
     recomputed_bytes: int = 0
     tick_us: float = 0.1
     dispatch_us: float = Field(0.0, description="the profile's per-op dispatch time, included in every op's duration")
+    co_running: float = Field(0.0, description="k of the profile's co-running slowdown, which every op's duration "
+                              "includes as its `slowdown`")
     copy_slowdown: dict[Literal["d2h", "h2d"], float] = Field(
         default_factory=dict, description="the profile's calibrated copy slowdown, included in every copy's duration")
     copy_interference_us: float = Field(

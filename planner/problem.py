@@ -100,6 +100,7 @@ class Problem:
     estimated: bool
     simplifications: list[str] = field(default_factory=list)
     dispatch_us: float = 0.0  # what every op's duration adds to its profiled time (DeviceInfo.dispatch_for)
+    co_running: float = 0.0  # k of the slowdown the plan's timeline is settled under (DeviceInfo.co_running_for)
 
     @property
     def op_index(self) -> dict[str, int]:
@@ -195,7 +196,8 @@ def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, off
         ops[index[n.name]].preds = sorted(preds)
     resident = sum(t.bytes for name, t in graph.tensors.items() if t.alias_of is None and t.persistent)
     problem = Problem(graph.model_name, graph.training, ops, tensors, resident, tick_us, profile.device,
-                      profile.estimated, simplifications, dispatch_us)
+                      profile.estimated, simplifications, dispatch_us,
+                      profile.device.co_running_for(graph.training, streams))
     fused = {chain: replace(a := alternative(min(profile.ops[n.signature].candidates, key=lambda c: c.time_us)),
                             name=FUSED_RECOMPUTE + a.name)
              for chain, n in recompute_nodes(graph).items() if profile.ops.get(n.signature)

@@ -111,18 +111,31 @@ class DeviceInfo(BaseModel):
         "(H100 training b32: 0, serial plans ran 1-6% under their ops' times alone); fitted from one-stream runs "
         "by `planner calibrate`, 0 until then")
 
+    co_running: dict[Literal["training", "inference"], float] = Field(
+        default_factory=dict, description="k of the co-running slowdown, per mode: in a plan on several compute "
+        "streams each op runs 1 + k x the SM share of the ops beside it times its priced duration "
+        "(planner.co_running; H200 inference b32: 1.0); fitted with the dispatch time by `planner calibrate`, 0 until "
+        "then")
+
     def dispatch_for(self, training: bool, streams: int = 2) -> float:
         """What each op adds to its profiled time in a plan on `streams` compute streams."""
         table = self.one_stream_dispatch_us if streams == 1 else self.dispatch_us
         return table.get("training" if training else "inference", 0.0)
 
+    def co_running_for(self, training: bool, streams: int = 2) -> float:
+        """k of the co-running slowdown in a plan on `streams` compute streams (none on one)."""
+        return 0.0 if streams == 1 else self.co_running.get("training" if training else "inference", 0.0)
+
     def calibrate(self, mode: Literal["training", "inference"], dispatch_us: float | None,
                   copy_slowdown: dict[str, float], copy_interference: float | None,
-                  one_stream_dispatch_us: float | None = None) -> None:
-        """Record what `planner calibrate` fitted: the mode's dispatch time on several streams and on one, the
-        directions' copy slowdown and the copy interference (None: nothing to fit it from, keep it)."""
+                  one_stream_dispatch_us: float | None = None, co_running: float | None = None) -> None:
+        """Record what `planner calibrate` fitted: the mode's dispatch time on several streams and on one, its
+        co-running slowdown, the directions' copy slowdown and the copy interference (None: nothing to fit it
+        from, keep it)."""
         if dispatch_us is not None:
             self.dispatch_us[mode] = dispatch_us
+        if co_running is not None:
+            self.co_running[mode] = co_running
         if one_stream_dispatch_us is not None:
             self.one_stream_dispatch_us[mode] = one_stream_dispatch_us
         self.copy_slowdown.update(copy_slowdown)

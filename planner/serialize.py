@@ -149,15 +149,16 @@ def offer_serial_form(plan: Plan, graph: Graph, p1: Problem, cap_bytes: int, fit
 def serial_or(plan: Plan, serial: Plan, one_stream_bound_us: float, what: str) -> Plan:
     """The plan, or the serial plan `what` (which fits the cap) where that is predicted faster; the lower bound
     then covers both: the lesser of the plan's and `one_stream_bound_us`, no one-stream plan's makespan being
-    less. On several streams every op pays the calibrated dispatch time, which stands in for the slowdown of ops
-    run side by side; on one stream nothing runs beside it (H100 training b32, measured: ResNet-50 serial 7.09 ms
-    against 7.27 ms on four streams, predicted 7517.9 against 7712.3 us; at 50% of its serial peak the serial
-    form 7.78 ms against 7.86, predicted 8129.2 against 8444.5; docs/BENCHMARKS.md)."""
+    less. On several streams every op pays the calibrated dispatch time and the co-running slowdown of what runs
+    beside it (planner.co_running); on one stream nothing runs beside it (H100 training b32, measured: ResNet-50
+    serial 7.09 ms against 7.27 ms on four streams, predicted 7517.9 against 7712.3 us; at 50% of its serial peak
+    the serial form 7.78 ms against 7.86, predicted 8129.2 against 8444.5; docs/BENCHMARKS.md)."""
     several_us = plan.totals.lower_bound_us
     if serial.totals.predicted_us < plan.totals.predicted_us:
         why = (f"{what}: predicted {serial.totals.predicted_us:.1f} us against "
                f"{plan.totals.predicted_us:.1f} us on {plan.compute_streams} streams (priced with "
-               f"{plan.totals.dispatch_us:g} us per op for running side by side)")
+               f"{plan.totals.dispatch_us:g} us per op for running side by side"
+               + (f" and co-running slowdown k {plan.totals.co_running:g})" if plan.totals.co_running else ")"))
         kept = plan.totals.model_dump(include={"mem_cap_bytes", "bounds_us", "baseline_makespan_us",
                                                "baseline_peak_bytes"})
         plan = serial.model_copy(update={"totals": serial.totals.model_copy(update={

@@ -39,9 +39,9 @@ def sm_time_us(plan: Plan, since_us: float = 0.0, until_us: float | None = None)
     """The makespan (or the window [since_us, until_us)) split by what the SMs do, in us of the whole GPU (time x
     SM share): at every instant the running items' SM shares and the idle share sum to 1, so the parts sum to the
     window. Over the whole plan on several streams the ops' part splits into the `sm_work` bound (each op on its
-    least-area algorithm) and what the chosen algorithms take beyond it: with the idle SMs, that is what a plan
-    spends above its SM work. A one-stream plan prices its ops apart from that bound (one-stream dispatch), so
-    there, as in a window, it stays whole."""
+    least-area algorithm), what the chosen algorithms take beyond it and what the ops beside them slow them by
+    (planner.co_running): with the idle SMs, that is what a plan spends above its SM work. A one-stream plan
+    prices its ops apart from that bound (one-stream dispatch), so there, as in a window, it stays whole."""
     until = plan.totals.makespan_us if until_us is None else until_us
 
     def area(ops) -> float:
@@ -51,7 +51,10 @@ def sm_time_us(plan: Plan, since_us: float = 0.0, until_us: float | None = None)
     recomputations = area(o for o in plan.ops if o.recompute_of)
     least = plan.totals.bounds_us.get("sm_work")
     whole = since_us == 0.0 and until_us is None
-    parts = ({"least-area work": least, "wider algorithms": ops - least}
+    slowed = sum((o.end_us - o.start_us) * (1 - 1 / o.slowdown) * o.sm_fraction for o in plan.ops
+                 if not o.recompute_of)
+    parts = ({"least-area work": least, "wider algorithms": ops - least - slowed,
+              **({"co-running slowdown": slowed} if slowed else {})}
              if whole and least is not None and plan.compute_streams > 1 else {"ops' work": ops})
     return {**parts, "recomputations": recomputations, "idle SMs": until - since_us - ops - recomputations}
 

@@ -123,11 +123,12 @@ class ProfileStore:
             self._rewrite(lambda stored: stored.ops.update((op.signature, op) for op in new))
 
     def set_calibration(self, mode: str, dispatch_us: float | None, copy_slowdown: dict[str, float],
-                        copy_interference: float | None, one_stream_dispatch_us: float | None = None) -> None:
+                        copy_interference: float | None, one_stream_dispatch_us: float | None = None,
+                        co_running: float | None = None) -> None:
         """Record the device's calibrated per-op dispatch times in one mode, copy slowdown and copy interference
         (`planner calibrate`; DeviceInfo.calibrate)."""
         self._rewrite(lambda stored: stored.device.calibrate(mode, dispatch_us, copy_slowdown, copy_interference,
-                                                             one_stream_dispatch_us))
+                                                             one_stream_dispatch_us, co_running))
 
     def _rewrite(self, change: Callable[[StoreFile], None]) -> None:
         """Re-read the file under the lock, apply `change`, replace it atomically."""

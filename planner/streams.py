@@ -4,7 +4,8 @@ Waits. Item B waits for item A whenever A ends no later than B starts in the sch
 maximal such A (none ends before another such A starts), and drops those on B's own stream, which its stream
 order implies. Every pair of items the schedule kept apart stays apart when the GPU runs each item as soon as
 its waits allow, so memory, SM share and copy engines stay within what the solver checked, and no item starts
-later than planned. Replaying the plan that way with the profiled durations gives the predicted timeline.
+later than planned. Replaying the plan that way with the profiled durations, each op slowed by what runs beside
+it (planner.co_running), gives the predicted timeline.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.co_running import settle
 from planner.ir import Graph
 from planner.plan import Copy, Plan, Residency, ScheduledOp, Totals
 from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Problem
@@ -80,15 +82,24 @@ def maximal_predecessors(items: list[Item]) -> list[list[int]]:
     return out
 
 
-def replay(items: list[Item], waits: list[list[int]]) -> tuple[list[float], list[float]]:
-    """As-soon-as-possible start and end of each item (in us) given stream order and waits."""
-    start, end = [0.0] * len(items), [0.0] * len(items)
+def replay(items: list[Item], waits: list[list[int]], duration_us: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """As-soon-as-possible start and end of each item (in us) given stream order, waits and durations."""
+    start, end = np.zeros(len(items)), np.zeros(len(items))
     stream_free: dict[int, float] = {}
     for b in sorted(range(len(items)), key=lambda i: (items[i].start, items[i].end)):
         at = max([stream_free.get(items[b].stream, 0.0), *(end[a] for a in waits[b])])
-        start[b], end[b] = at, at + items[b].duration_us
+        start[b], end[b] = at, at + duration_us[b]
         stream_free[items[b].stream] = end[b]
     return start, end
+
+
+def settled(p: Problem, s: Schedule, items: list[Item], waits: list[list[int]]
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(start, end, slowdown) of each item in the replay under the problem's co-running slowdown."""
+    share = np.array([(p.ops[it.index].alternatives[s.alt[it.index]] if it.kind == "op" else s.recompute(p, it.index)
+                       ).sm_demand / SM_CAPACITY if it.kind in ("op", "recompute") else 0.0 for it in items])
+    return settle(np.array([it.duration_us for it in items]), share, p.co_running,
+                  lambda duration: replay(items, waits, duration))
 
 
 def build_plan(graph: Graph, p: Problem, s: Schedule, totals: Totals, streams_limit: int) -> Plan:
@@ -99,7 +110,7 @@ def build_plan(graph: Graph, p: Problem, s: Schedule, totals: Totals, streams_li
              for b, preds in enumerate(maximal_predecessors(items))]
     waited = sorted({a for w in waits for a in w})
     event = {a: f"e{k}" for k, a in enumerate(waited)}
-    start, end = replay(items, waits)
+    start, end, slowdown = settled(p, s, items, waits)
     pos = {(it.kind, it.index): k for k, it in enumerate(items)}
     tm = Timed(op_start=[start[pos["op", i]] for i in range(len(p.ops))],
                op_end=[end[pos["op", i]] for i in range(len(p.ops))],
@@ -110,7 +121,7 @@ def build_plan(graph: Graph, p: Problem, s: Schedule, totals: Totals, streams_li
                recompute_workspace={t: s.recompute(p, t).workspace_bytes for t in s.recompute_start})
     ops, copies = [], []
     for k, it in enumerate(items):
-        common = dict(stream=it.stream, start_us=start[k], end_us=end[k], record_event=event.get(k),
+        common = dict(stream=it.stream, start_us=float(start[k]), end_us=float(end[k]), record_event=event.get(k),
                       wait_events=[event[a] for a in waits[k]])
         if it.kind in ("op", "recompute"):
             op_i = it.index if it.kind == "op" else p.tensors[it.index].producer
@@ -123,11 +134,12 @@ def build_plan(graph: Graph, p: Problem, s: Schedule, totals: Totals, streams_li
                 recompute_nodes=[p.ops[o].name for o in p.tensors[it.index].recompute_chain] if it.kind == "recompute" else [],
                 reads=[p.tensors[t].name for t in (op.reads if it.kind == "op" else p.tensors[it.index].recompute_reads)],
                 writes=[p.tensors[t].name for t in op.writes] if it.kind == "op" else [p.tensors[it.index].name],
-                deps=[p.ops[d].name for d in op.preds] if it.kind == "op" else []))
+                deps=[p.ops[d].name for d in op.preds] if it.kind == "op" else [], slowdown=float(slowdown[k])))
         else:
             tu = p.tensors[it.index]
             copies.append(Copy(tensor=tu.name, direction=it.kind, bytes=tu.bytes, **common))
     totals.dispatch_us = p.dispatch_us
+    totals.co_running = p.co_running
     totals.copy_slowdown = dict(p.device.copy_slowdown)
     lives = residency(p, s.decision, tm)
     tensors = [Residency(tensor=tu.name, bytes=tu.bytes, decision=s.decision.get(t, "keep"), intervals_us=lives[t],

@@ -129,12 +129,14 @@ def test_the_fit_recovers_the_copy_interference_from_runs_with_and_without_copie
     copy_us = sum(c.end_us - c.start_us for c in copying.copies)
     runs = [Calibrated("plain", plain, simulated_makespan_us(plain, 2.0)),
             Calibrated("copying", copying, simulated_makespan_us(copying, 2.0) + 0.08 * copy_us)]
-    dispatch, one_stream, interference = fit(runs)
-    assert dispatch == pytest.approx(2.0, abs=0.02) and interference == pytest.approx(0.08, abs=0.002)
-    assert one_stream is None  # no run on one stream
+    fitted = fit(runs)
+    assert fitted.dispatch_us == pytest.approx(2.0, abs=0.02)
+    assert fitted.copy_interference == pytest.approx(0.08, abs=0.002)
+    assert fitted.one_stream_dispatch_us is None  # no run on one stream
+    assert fitted.co_running is None  # one run without copies on several streams: k and the dispatch time are one
     assert all(r.fitted_us == pytest.approx(r.measured_us, rel=2e-3) for r in runs)
     runs[1].measured_us = simulated_makespan_us(copying, 2.0) - 0.05 * copy_us  # copies never speed compute up
-    assert fit(runs)[2] == 0.0
+    assert fit(runs).copy_interference == 0.0
 
 
 def test_runs_on_one_stream_get_a_dispatch_time_of_their_own(solved, tmp_path):
@@ -146,8 +148,9 @@ def test_runs_on_one_stream_get_a_dispatch_time_of_their_own(solved, tmp_path):
     assert serial.compute_streams == 1
     runs = [Calibrated("several", several, simulated_makespan_us(several, 3.0)),
             Calibrated("serial", serial, simulated_makespan_us(serial, 0.5))]
-    dispatch, one_stream, _ = fit(runs)
-    assert dispatch == pytest.approx(3.0, abs=0.02) and one_stream == pytest.approx(0.5, abs=0.02)
+    fitted = fit(runs)
+    assert fitted.dispatch_us == pytest.approx(3.0, abs=0.02)
+    assert fitted.one_stream_dispatch_us == pytest.approx(0.5, abs=0.02)
     profile_file = tmp_path / "profile.json"
     save_model(prof, profile_file)
     for name, plan, measured in (("several", several, simulated_makespan_us(several, 3.0)),

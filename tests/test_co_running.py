@@ -1,0 +1,114 @@
+"""Plans on several streams settle their timeline under the co-running slowdown; `planner calibrate` fits it."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_calibrate import _report
+from typer.testing import CliRunner
+
+from planner.analytic import estimate_profile
+from planner.calibrate import Calibrated, fit, simulated_makespan_us
+from planner.check import check_plan
+from planner.cli import app
+from planner.co_running import occupancy, settle
+from planner.devices import load_device
+from planner.files import load_model, save_model
+from planner.onnx_import import import_onnx
+from planner.problem import build_problem
+from planner.profile import Profile
+from planner.show import sm_time_us
+from planner.solve import Options, solve_plan
+from planner.stats import serial_peak_bytes
+from planner.training import build_training
+
+MODELS = Path(__file__).parent / "models"
+
+
+def test_occupancy_is_the_others_share_averaged_over_each_item():
+    start, end, share = np.array([0.0, 5.0, 20.0]), np.array([10.0, 15.0, 30.0]), np.array([0.5, 0.3, 0.9])
+    assert occupancy(start, end, share) == pytest.approx([0.3 * 5 / 10, 0.5 * 5 / 10, 0.0])
+
+
+def test_two_ops_side_by_side_settle_where_each_runs_one_plus_k_times_the_others_share():
+    """Two 10-us ops on streams of their own, half the SMs each, k = 1: each runs 15 us at the fixed point; an op
+    after both starts when the slower one ends."""
+    def replay(duration):
+        start = np.array([0.0, 0.0, max(duration[0], duration[1])])
+        return start, start + duration
+
+    start, end, slowdown = settle(np.array([10.0, 10.0, 4.0]), np.array([0.5, 0.5, 1.0]), 1.0, replay)
+    assert end == pytest.approx([15.0, 15.0, 19.0], abs=0.01)
+    assert slowdown == pytest.approx([1.5, 1.5, 1.0], abs=1e-3)
+    assert settle(np.array([10.0, 10.0, 4.0]), np.array([0.5, 0.5, 1.0]), 0.0, replay)[1] == pytest.approx(
+        [10.0, 10.0, 14.0])
+
+
+@pytest.fixture(scope="module")
+def googlenet_b1():
+    g = import_onnx(MODELS / "googlenet.onnx", batch=1, dtype="fp16")
+    return g, estimate_profile(g, load_device("h100"))
+
+
+def test_solve_settles_plans_on_several_streams_and_the_check_agrees(googlenet_b1):
+    g, prof = googlenet_b1
+    plain = solve_plan(g, prof, prof.device.memory_bytes, Options(time_limit_s=0))
+    prof = prof.model_copy(deep=True)
+    prof.device.co_running["inference"] = 1.0
+    slowed = solve_plan(g, prof, prof.device.memory_bytes, Options(time_limit_s=0))
+    assert slowed.compute_streams > 1 and slowed.totals.co_running == 1.0
+    assert all(op.slowdown >= 1.0 for op in slowed.ops) and max(op.slowdown for op in slowed.ops) > 1.2
+    assert slowed.totals.makespan_us > plain.totals.makespan_us
+    report = check_plan(slowed)
+    assert report.ok, report.violations
+    assert report.makespan_us == pytest.approx(slowed.totals.makespan_us, rel=1e-6)
+    parts = sm_time_us(slowed)  # `planner show` names what the slowdown costs
+    assert parts["co-running slowdown"] > 0 and sum(parts.values()) == pytest.approx(slowed.totals.makespan_us)
+    serial = solve_plan(g, prof, prof.device.memory_bytes, Options(streams=1, time_limit_s=0))
+    assert serial.totals.co_running == 0.0 and all(op.slowdown == 1.0 for op in serial.ops)
+
+
+def test_a_settled_plan_under_a_cap_keeps_to_it():
+    """Slowing ops keeps every order the schedule made, so memory stays within what the solver checked."""
+    g = build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=8, dtype="fp16", training=True))
+    prof = estimate_profile(g, load_device("h100"))
+    prof.device.co_running["training"] = 1.5
+    resident = build_problem(g, prof).resident_bytes
+    cap = resident + int((serial_peak_bytes(g) - resident) * 0.6)
+    plan = solve_plan(g, prof, cap, Options(time_limit_s=0))
+    assert plan.copies or plan.totals.recomputed_bytes
+    assert max(op.slowdown for op in plan.ops) > 1.1
+    report = check_plan(plan)
+    assert report.ok, report.violations
+    assert report.peak_bytes <= cap
+
+
+def test_the_fit_recovers_the_slowdown_and_dispatch_time_that_made_two_runs(googlenet_b1):
+    g, prof = googlenet_b1
+    plans = [solve_plan(g, prof, prof.device.memory_bytes, Options(streams=s, time_limit_s=0)) for s in (2, 4)]
+    runs = [Calibrated(f"s{p.compute_streams}", p, simulated_makespan_us(p, 1.5, None, 0.8)) for p in plans]
+    assert runs[0].measured_us / plans[0].totals.makespan_us != pytest.approx(
+        runs[1].measured_us / plans[1].totals.makespan_us, rel=1e-3)  # k shows: the plans overlap differently
+    fitted = fit(runs)
+    assert fitted.co_running == pytest.approx(0.8, abs=0.03)
+    assert fitted.dispatch_us == pytest.approx(1.5, abs=0.1)
+    assert all(r.fitted_us == pytest.approx(r.measured_us, rel=2e-3) for r in runs)
+
+
+def test_calibrate_writes_the_slowdown_and_solve_settles_with_it(googlenet_b1, tmp_path):
+    g, prof = googlenet_b1
+    profile_file = tmp_path / "profile.json"
+    save_model(prof, profile_file)
+    reports = [tmp_path / f"s{streams}.json" for streams in (2, 4)]
+    for streams, report in zip((2, 4), reports):
+        plan = solve_plan(g, prof, prof.device.memory_bytes, Options(streams=streams, time_limit_s=0))
+        save_model(plan, tmp_path / f"s{streams}.plan.json")
+        measured = simulated_makespan_us(plan, 1.5, None, 0.8)
+        save_model(_report(plan, tmp_path / f"s{streams}.plan.json", measured), report)
+    result = CliRunner().invoke(app, ["calibrate", *map(str, reports), "--write", str(profile_file)])
+    assert result.exit_code == 0, result.output
+    assert "co-running slowdown" in result.output
+    device = load_model(Profile, profile_file).device
+    assert device.co_running["inference"] == pytest.approx(0.8, abs=0.03)
+    again = solve_plan(g, load_model(Profile, profile_file), prof.device.memory_bytes, Options(time_limit_s=0))
+    assert again.totals.co_running == device.co_running["inference"] and check_plan(again).ok
