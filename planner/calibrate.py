@@ -134,7 +134,7 @@ class Fit:
 def fit(runs: list[Calibrated]) -> Fit:
     """The dispatch times, co-running slowdown and copy interference for the runs: one stream runs no op beside
     another, so what its ops add is fitted apart (DeviceInfo.one_stream_dispatch_us). On several streams, the
-    slowdown k is the one whose dispatch time (fitted at k) leaves the least root-mean-square relative error.
+    slowdown k is the one whose dispatch time (fitted at k) leaves the least squared relative error.
     Sets each run's `dispatch_us`, `co_running` and `fitted_us`."""
     if not runs:
         raise PlannerError("no run reports to calibrate from")
@@ -160,14 +160,15 @@ def fit(runs: list[Calibrated]) -> Fit:
 def _fit_co_running(runs: list[Calibrated]) -> float:
     """The k in [0, MAX_CO_RUNNING] whose fitted dispatch time leaves the runs' least squared relative error
     (bounded scalar search, to 0.01)."""
-    def rms(k: float) -> float:
+    def squared_error(k: float) -> float:
         for r in runs:
             r.co_running = k
         dispatch = fit_dispatch_us(runs)
         return sum((r.simulated_us(dispatch, 0.0) / r.measured_us - 1) ** 2 for r in runs)
 
-    best = minimize_scalar(rms, bounds=(0.0, MAX_CO_RUNNING), method="bounded", options={"xatol": 0.005}).x
-    return round(best, 2) if rms(round(best, 2)) < rms(0.0) else 0.0
+    best = round(minimize_scalar(squared_error, bounds=(0.0, MAX_CO_RUNNING), method="bounded",
+                                 options={"xatol": 0.005}).x, 2)
+    return best if squared_error(best) < squared_error(0.0) else 0.0
 
 
 def fit_copy_interference(runs: list[Calibrated]) -> float:

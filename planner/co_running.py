@@ -2,7 +2,7 @@
 
 The SM-share cumulative lets ops run side by side when their resident-block shares sum to at most 1, but such
 ops still share the SMs' issue slots, caches and DRAM: on the H200, batch-32 inference ops beside others took
-x1.3-1.6 their time alone, and four-stream plans ran 10-16% over a prediction that priced each op alone (one
+x1.3-1.5 their time alone, and plans on several streams ran 8-16% over a prediction that priced each op alone (one
 Inception v3 plan predicted 8.8% faster than serial ran 4.5% slower). A flat time per op cannot tell such a plan
 from one whose ops mostly run alone (docs/BENCHMARKS.md, fiftieth session).
 

@@ -114,8 +114,8 @@ class DeviceInfo(BaseModel):
     co_running: dict[Literal["training", "inference"], float] = Field(
         default_factory=dict, description="k of the co-running slowdown, per mode: in a plan on several compute "
         "streams each op runs 1 + k x the SM share of the ops beside it times its priced duration "
-        "(planner.co_running; H200 inference b32: 1.0); fitted with the dispatch time by `planner calibrate`, 0 until "
-        "then")
+        "(planner.co_running; H200 inference b32: 1.05); fitted with the dispatch time by `planner calibrate`, 0 "
+        "until then")
 
     def dispatch_for(self, training: bool, streams: int = 2) -> float:
         """What each op adds to its profiled time in a plan on `streams` compute streams."""
