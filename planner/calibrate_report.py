@@ -33,7 +33,8 @@ def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[
     copy_slowdown = fit_copy_slowdown(copies)
     for r in runs:
         r.copy_slowdown = copy_slowdown
-    fitted_values = fit(runs)
+    with console.status(f"replaying {len(runs)} plans to fit the dispatch time and co-running slowdown"):
+        fitted_values = fit(runs)
     interference = fitted_values.copy_interference
     fitted = [f"dispatch time per op {d:.2f} us{where}" for d, where in
               ((fitted_values.dispatch_us, " on several streams"),
