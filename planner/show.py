@@ -51,11 +51,13 @@ def sm_time_us(plan: Plan, since_us: float = 0.0, until_us: float | None = None)
     recomputations = area(o for o in plan.ops if o.recompute_of)
     least = plan.totals.bounds_us.get("sm_work")
     whole = since_us == 0.0 and until_us is None
-    slowed = sum((o.end_us - o.start_us) * (1 - 1 / o.slowdown) * o.sm_fraction for o in plan.ops
-                 if not o.recompute_of)
-    parts = ({"least-area work": least, "wider algorithms": ops - least - slowed,
-              **({"co-running slowdown": slowed} if slowed else {})}
-             if whole and least is not None and plan.compute_streams > 1 else {"ops' work": ops})
+    if whole and least is not None and plan.compute_streams > 1:
+        slowed = sum((o.end_us - o.start_us) * (1 - 1 / o.slowdown) * o.sm_fraction for o in plan.ops
+                     if not o.recompute_of)
+        parts = {"least-area work": least, "wider algorithms": ops - least - slowed,
+                 **({"co-running slowdown": slowed} if slowed else {})}
+    else:
+        parts = {"ops' work": ops}
     return {**parts, "recomputations": recomputations, "idle SMs": until - since_us - ops - recomputations}
 
 

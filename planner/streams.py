@@ -17,7 +17,7 @@ import numpy as np
 from planner.co_running import settle
 from planner.ir import Graph
 from planner.plan import Copy, Plan, Residency, ScheduledOp, Totals
-from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Problem
+from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
 from planner.schedule import Schedule, Timed, peak_memory, residency
 
 
@@ -93,11 +93,16 @@ def replay(items: list[Item], waits: list[list[int]], duration_us: np.ndarray) -
     return start, end
 
 
+def alternative_of(p: Problem, s: Schedule, it: Item) -> Alternative:
+    """The way an op or recomputation item runs in the schedule."""
+    return p.ops[it.index].alternatives[s.alt[it.index]] if it.kind == "op" else s.recompute(p, it.index)
+
+
 def settled(p: Problem, s: Schedule, items: list[Item], waits: list[list[int]]
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(start, end, slowdown) of each item in the replay under the problem's co-running slowdown."""
-    share = np.array([(p.ops[it.index].alternatives[s.alt[it.index]] if it.kind == "op" else s.recompute(p, it.index)
-                       ).sm_demand / SM_CAPACITY if it.kind in ("op", "recompute") else 0.0 for it in items])
+    share = np.array([alternative_of(p, s, it).sm_demand / SM_CAPACITY if it.kind in ("op", "recompute") else 0.0
+                      for it in items])
     return settle(np.array([it.duration_us for it in items]), share, p.co_running,
                   lambda duration: replay(items, waits, duration))
 
@@ -126,7 +131,7 @@ def build_plan(graph: Graph, p: Problem, s: Schedule, totals: Totals, streams_li
         if it.kind in ("op", "recompute"):
             op_i = it.index if it.kind == "op" else p.tensors[it.index].producer
             op = p.ops[op_i]
-            alt = op.alternatives[s.alt[op_i]] if it.kind == "op" else s.recompute(p, it.index)
+            alt = alternative_of(p, s, it)
             ops.append(ScheduledOp(
                 node=op.name, algorithm=alt.name, workspace_bytes=alt.workspace_bytes,
                 sm_fraction=alt.sm_demand / SM_CAPACITY, dram_fraction=alt.dram_demand / DRAM_CAPACITY, **common,

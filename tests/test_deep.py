@@ -3,7 +3,6 @@ per tensor, taken only where the list schedule gets cheaper under the cap, and e
 
 from __future__ import annotations
 
-
 import pytest
 from test_solver import H100, MODELS, _plan_of
 
