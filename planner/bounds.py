@@ -14,6 +14,8 @@ makespan); `head_tail` combines them all and is the strongest without a cap:
                  segments the DAG runs as one after another (`segment_heads_tails`)
   chain_fill     C >= the longest chain plus what of the other ops cannot fit in the room beside it
                  (`planner.chain_fill`, an LP)
+  co_running     C >= the segments' bounds summed, each segment's at least what its ops take when each runs
+                 slowed by the SM share beside it (`planner.co_running`, an LP; with a co-running slowdown only)
   memory_cut     C + copy interference >= heads, tails and SM work (on the strongest cuts, the chain and its
                  fillers) plus what sending the bytes a cap forces off the device at a cut op costs at least (an
                  LP; under a cap only; `planner.memory_bounds`)
@@ -28,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.chain_fill import LP, add_chain_fill, chain_and_fillers
+from planner.co_running import lower_bound_us as co_running_us
 from planner.dag import Dag, dram_share, rates, sm_share
 from planner.memory_bounds import memory_cut_us
 from planner.problem import SM_CAPACITY, Problem
@@ -42,8 +45,8 @@ def lower_bounds_us(p: Problem, streams: int, cap_bytes: int | None = None, quic
                     ) -> dict[str, float]:
     """Bounds every schedule obeys (module docstring): the dependency chain, SM work (and DRAM work with --dram),
     streams, big ops with a chain, heads and tails that combine them all, and under a cap what the cap forces
-    off the device (`memory_cut_us`). `quick` leaves out those that solve linear programs (chain_fill and
-    memory_cut: 1.6 of 1.9 s on GoogLeNet training b32 at 50%)."""
+    off the device (`memory_cut_us`). `quick` leaves out those that solve linear programs (chain_fill,
+    co_running and memory_cut: 1.6 of 1.9 s on GoogLeNet training b32 at 50%)."""
     dag = Dag.of(p)
     fastest = dag.fastest_us()
     dram = any(a.dram_demand for o in p.ops for a in o.alternatives)
@@ -59,6 +62,9 @@ def lower_bounds_us(p: Problem, streams: int, cap_bytes: int | None = None, quic
         if quick:
             return bounds
         bounds["chain_fill"] = chain_fill_us(dag, anc, streams, dram)
+        if p.co_running > 0 and streams > 1:
+            heads, tails, bounds["co_running"] = segment_heads_tails(dag, anc, heads, tails, streams, dram,
+                                                                     p.co_running)
         if cap_bytes is not None and any(t.choosable for t in p.tensors):
             bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, anc, heads, tails, streams, dram)
     return bounds
@@ -180,27 +186,32 @@ def separators(anc: np.ndarray) -> list[int]:
     return [j for j in range(1, len(anc)) if after[j] >= j]
 
 
-def segment_us(dag: Dag, anc: np.ndarray, first: int, end: int, streams: int, dram: bool) -> float:
+def segment_us(dag: Dag, anc: np.ndarray, first: int, end: int, streams: int, dram: bool,
+               co_running: float = 0.0) -> float:
     """A bound on the time the ops at positions [first, end) take, alone: head_tail and chain_fill of their own
-    DAG from 2 up to SEGMENT_OPS ops, the chain and the SM work otherwise (one op: its fastest time)."""
+    DAG from 2 up to SEGMENT_OPS ops, the chain and the SM work otherwise (one op: its fastest time); with a
+    co-running slowdown on several streams, also what running side by side costs them (`co_running`)."""
     sub = Dag([[u - first for u in dag.preds[v] if u >= first] for v in range(first, end)], dag.alts[first:end])
-    chain_and_work = max(_longest_chain_us(sub, sub.fastest_us()), float(sub.least(sm_share).sum()))
-    if not 1 < end - first <= SEGMENT_OPS:
-        return chain_and_work
-    return max(chain_and_work, head_tail_us(sub, streams, dram),
-               chain_fill_us(sub, anc[first:end, first:end], streams, dram))
+    best = max(_longest_chain_us(sub, sub.fastest_us()), float(sub.least(sm_share).sum()))
+    if 1 < end - first <= SEGMENT_OPS:
+        best = max(best, head_tail_us(sub, streams, dram), chain_fill_us(sub, anc[first:end, first:end], streams, dram))
+    if co_running > 0 and streams > 1 and end - first > 1:
+        related = anc[first:end, first:end] | anc[first:end, first:end].T | np.eye(end - first, dtype=bool)
+        best = max(best, co_running_us(sub.alts, ~related, streams, co_running) or 0.0)
+    return best
 
 
 def segment_heads_tails(dag: Dag, anc: np.ndarray, heads: np.ndarray, tails: np.ndarray, streams: int,
-                        dram: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
+                        dram: bool = False, co_running: float = 0.0) -> tuple[np.ndarray, np.ndarray, float]:
     """(heads, tails, the segments' bounds summed): the segments between `separators` run one after another, so
     an op starts after the bounds of the segments before its own (`segment_us`) add up, and ends before those
     after it. The window bounds of `heads_us` count SM work, not chain_fill's fit (GoogLeNet training b32: the
-    head of the loss 9.7 us higher). One segment, the whole DAG, adds nothing to the other bounds."""
+    head of the loss 9.7 us higher). One segment, the whole DAG, adds nothing to the other bounds but what
+    running side by side costs."""
     edges = [0, *separators(anc), len(anc)]
-    if len(edges) == 2:
+    if len(edges) == 2 and not (co_running > 0 and streams > 1):
         return heads, tails, 0.0
-    spans = [segment_us(dag, anc, a, b, streams, dram) for a, b in zip(edges, edges[1:])]
+    spans = [segment_us(dag, anc, a, b, streams, dram, co_running) for a, b in zip(edges, edges[1:])]
     before = np.concatenate([[0.0], np.cumsum(spans)])
     heads, tails = heads.copy(), tails.copy()
     for k, (a, b) in enumerate(zip(edges, edges[1:])):

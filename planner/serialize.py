@@ -155,8 +155,9 @@ def serial_or(plan: Plan, serial: Plan, one_stream_bound_us: float, what: str) -
     the serial form 7.78 ms against 7.86, predicted 8129.2 against 8444.5; docs/BENCHMARKS.md)."""
     several_us = plan.totals.lower_bound_us
     if serial.totals.predicted_us < plan.totals.predicted_us:
+        streams = f"{plan.compute_streams} stream" + "s" * (plan.compute_streams > 1)
         why = (f"{what}: predicted {serial.totals.predicted_us:.1f} us against "
-               f"{plan.totals.predicted_us:.1f} us on {plan.compute_streams} streams (priced with "
+               f"{plan.totals.predicted_us:.1f} us on {streams} (priced with "
                f"{plan.totals.dispatch_us:g} us per op for running side by side"
                + (f" and co-running slowdown k {plan.totals.co_running:g})" if plan.totals.co_running else ")"))
         kept = plan.totals.model_dump(include={"mem_cap_bytes", "bounds_us", "baseline_makespan_us",

@@ -311,9 +311,10 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base_us: float, base_
     tick = p.tick_us
 
     def progress(makespan_ticks: int, bound_ticks: int, elapsed_s: float) -> None:
+        """The search's makespans price ops alone, so its progress leaves out the bound that does not."""
         if on_progress:
-            on_progress(makespan_ticks * tick, max(bound_ticks * tick if own_bound else 0.0, *bounds.values()),
-                        elapsed_s)
+            alone = [v for name, v in bounds.items() if name != "co_running"]
+            on_progress(makespan_ticks * tick, max(bound_ticks * tick if own_bound else 0.0, *alone), elapsed_s)
 
     if options.time_limit_s <= 0:  # the heuristic alone: no OR-Tools needed
         if hint is None:

@@ -1,13 +1,17 @@
 """Plans on several streams settle their timeline under the co-running slowdown; `planner calibrate` fits it."""
 
+import random
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_bounds import with_shares
 from test_calibrate import _report
+from test_solver import H100, random_problem
 from typer.testing import CliRunner
 
 from planner.analytic import estimate_profile
+from planner.bounds import lower_bounds_us
 from planner.calibrate import Calibrated, fit, simulated_makespan_us
 from planner.check import check_plan
 from planner.cli import app
@@ -15,11 +19,13 @@ from planner.co_running import occupancy, settle
 from planner.devices import load_device
 from planner.files import load_model, save_model
 from planner.onnx_import import import_onnx
-from planner.problem import build_problem
+from planner.problem import SM_CAPACITY, Alternative, Op, Problem, build_problem
 from planner.profile import Profile
+from planner.schedule import Schedule
 from planner.show import sm_time_us
 from planner.solve import Options, solve_plan
 from planner.stats import serial_peak_bytes
+from planner.streams import assign_streams, maximal_predecessors, schedule_items, settled
 from planner.training import build_training
 
 MODELS = Path(__file__).parent / "models"
@@ -112,3 +118,53 @@ def test_calibrate_writes_the_slowdown_and_solve_settles_with_it(googlenet_b1, t
     assert device.co_running["inference"] == pytest.approx(0.8, abs=0.03)
     again = solve_plan(g, load_model(Profile, profile_file), prof.device.memory_bytes, Options(time_limit_s=0))
     assert again.totals.co_running == device.co_running["inference"] and check_plan(again).ok
+
+
+def side_by_side(k: float) -> Problem:
+    """Two unrelated 10-us ops on half the SMs each."""
+    ops = [Op(f"op{i}", "relu", "forward", [Alternative("a", 10.0, 10, 0, 50)]) for i in range(2)]
+    return Problem("pair", False, ops, [], resident_bytes=0, tick_us=1.0, device=H100, estimated=True, co_running=k)
+
+
+def test_the_bound_prices_running_side_by_side():
+    """Side by side at k 1 each runs 15 us, the settled time; at k 3 they would take 25, so one after another (20)
+    is the least; on one stream nothing runs beside anything and the bound is not offered."""
+    assert lower_bounds_us(side_by_side(1.0), 2)["co_running"] == pytest.approx(15.0)
+    assert lower_bounds_us(side_by_side(3.0), 2)["co_running"] == pytest.approx(20.0)
+    assert "co_running" not in lower_bounds_us(side_by_side(1.0), 1)
+    assert max(lower_bounds_us(side_by_side(0.0), 2).values()) == pytest.approx(10.0)
+
+
+def settled_makespan_us(p: Problem, streams: int, rng: random.Random) -> float:
+    """A random active schedule (random alternatives, a random topological order placed as early as the SM share
+    and the streams allow), settled as `build_plan` settles it."""
+    alt = [rng.randrange(len(o.alternatives)) for o in p.ops]
+    start, end, placed = [0] * len(p.ops), {}, []
+    while len(end) < len(p.ops):
+        i = rng.choice([i for i, o in enumerate(p.ops) if i not in end and all(j in end for j in o.preds)])
+        a = p.ops[i].alternatives[alt[i]]
+        earliest = max((end[j] for j in p.ops[i].preds), default=0)
+        for t in sorted({earliest, *(e for _, e, _ in placed if e > earliest)}):
+            running = [[sm for s, e, sm in placed if s <= x < e] for x in {t, *(s for s, _, _ in placed)}
+                       if t <= x < t + a.duration]
+            if all(sum(r) + a.sm_demand <= SM_CAPACITY and len(r) < streams for r in running):
+                break
+        start[i], end[i] = t, t + a.duration
+        placed.append((t, t + a.duration, a.sm_demand))
+    s = Schedule(alt, start)
+    items = schedule_items(p, s)
+    assign_streams(p, items)
+    waits = [[a for a in preds if items[a].stream != items[b].stream]
+             for b, preds in enumerate(maximal_predecessors(items))]
+    return float(settled(p, s, items, waits)[1].max())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_no_settled_schedule_of_a_random_dag_beats_the_bound(seed):
+    rng = random.Random(seed)
+    p = with_shares(random_problem(rng, n_ops=4 + seed % 5, n_alts=1 + seed % 3), rng)
+    p.co_running = rng.choice([0.5, 1.05, 2.0])
+    streams = rng.choice([2, 3, 4])
+    bound = lower_bounds_us(p, streams)["co_running"]
+    shortest = min(settled_makespan_us(p, streams, rng) for _ in range(200))
+    assert bound <= shortest * (1 + 1e-9), (bound, shortest)
