@@ -26,7 +26,7 @@ plan's copy time. `copy_interference` is that cost per microsecond of copy: the 
 replay leaves unexplained in the runs with copies against their copy time, once the dispatch time is fitted on
 the runs without (or, when every run copies, by alternating the two fits).
 
-With traces, `co_running` sets each op's kernel time inside the iteration against its time alone, by the op's
+With traces, `traced_slowdowns` sets each op's kernel time inside the iteration against its time alone, by the op's
 own SM share (H100, GoogLeNet training: x1.5 below 20% of the SMs beside others).
 """
 
@@ -50,7 +50,7 @@ MAX_DISPATCH_US = 50.0
 MAX_CO_RUNNING = 3.0  # the largest co-running slowdown k the fit tries
 DIRECTIONS = ("d2h", "h2d")
 ROUNDS = 5  # alternations of the dispatch and interference fits when no run is without copies
-GRID_US = 0.1  # time step of the SM-share timeline `co_running` builds from a trace
+GRID_US = 0.1  # time step of the SM-share timeline `traced_slowdowns` builds from a trace
 SHARE_BINS = (0.2, 0.4, 0.6, 0.8, 1.0)  # upper edges of the ops' own SM shares in `co_running_rows`
 BESIDE = 0.3  # an op runs beside others when their SM share averages at least this over its kernels
 ALONE = 0.05  # ... and alone when below this
@@ -272,7 +272,7 @@ class CoRun:
     beside: float
 
 
-def co_running(trace: dict, plan: Plan, report: RunReport) -> list[CoRun]:
+def traced_slowdowns(trace: dict, plan: Plan, report: RunReport) -> list[CoRun]:
     """Each op of the plan that the trace shows and the report timed alone, as a CoRun. The planner prices an op
     at its time alone whatever runs beside it; on H100 narrow algorithms beside others take up to 1.5x that
     (docs/BENCHMARKS.md), and this is the measurement a price for it needs."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from planner.calibrate import (co_running, co_running_rows, fit, fit_copy_slowdown, pair, traced_copies,
+from planner.calibrate import (co_running_rows, fit, fit_copy_slowdown, pair, traced_copies, traced_slowdowns,
                                write_calibration)
 from planner.files import PlannerError, load_model
 from planner.plan import Plan
@@ -84,7 +84,7 @@ def _traced(runs: list, run_reports: list[RunReport], traces: list[Path] | None)
         try:
             traced = json.loads(trace.read_text())
             copies += traced_copies(traced, r.plan, trace.name)
-            beside += co_running(traced, r.plan, report)
+            beside += traced_slowdowns(traced, r.plan, report)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise PlannerError(f"{trace}: not a readable trace ({e!r})") from None
     return copies, beside

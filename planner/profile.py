@@ -8,6 +8,8 @@ from pydantic import BaseModel, Field
 
 from planner.files import FORMAT_VERSION
 
+TIMING = "marginal"  # how runner.measure times candidates now (OpProfile.timing); older entries are measured again
+
 
 class Kernel(BaseModel):
     """One GPU kernel a candidate launches (CUPTI activity record)."""
@@ -60,6 +62,9 @@ class OpProfile(BaseModel):
     measured_count: int = Field(0, description="candidates measured before pruning to the ones kept")
     unsupported: list[Unsupported] = Field(default_factory=list)
     estimated: bool = Field(False, description="costs from the analytic model (no GPU implementation measured yet)")
+    timing: Literal["graph", "marginal"] = Field("graph", description="how time_us was measured: `graph`, a CUDA "
+                                                 "graph of R launches over R (its launch's fixed cost included); "
+                                                 "`marginal`, graphs of 2R and R launches, their difference over R")
 
 
 class DeviceInfo(BaseModel):

@@ -24,7 +24,7 @@ from planner.files import FORMAT_VERSION, PlannerError, atomic_write_text
 from planner.fuse import concat_view_nodes
 from planner.ir import Graph, Node, recompute_nodes
 from planner.ops import KINDS
-from planner.profile import Candidate, DeviceInfo, OpProfile, Profile, describe_op
+from planner.profile import TIMING, Candidate, DeviceInfo, OpProfile, Profile, describe_op
 
 FLUSH_EVERY_OPS = 16
 FLUSH_EVERY_S = 5.0
@@ -147,17 +147,19 @@ class ProfileStore:
 
     def missing(self, graph: Graph) -> list[str]:
         """Signatures of the graph's ops not stored yet (views need no measurement), in graph order. In a measured
-        store, an entry that fell back to an estimate counts as missing: a newer runner may measure it."""
+        store, an entry that fell back to an estimate counts as missing (a newer runner may measure it), and so
+        does one timed the older way (`OpProfile.timing`): a profile's ops are all timed alike."""
         stored = self.entries()
         out: dict[str, None] = {}
         for n in profiled_nodes(graph):
             entry = stored.get(n.signature)
-            if not KINDS[n.kind].view and (entry is None or (entry.estimated and not self.estimated)):
+            if not KINDS[n.kind].view and (entry is None or (not self.estimated and (
+                    entry.estimated or entry.timing != TIMING))):
                 out.setdefault(n.signature)
         return list(out)
 
     def assemble(self, graph: Graph) -> Profile:
-        """The profile of one graph from the stored entries; every non-view op must be stored."""
+        """The profile of one graph from the stored entries; every non-view op must be stored, all timed alike."""
         stored = self._load()
         ops: dict[str, OpProfile] = {}
         absent: list[str] = []
@@ -174,6 +176,12 @@ class ProfileStore:
         if absent:
             raise PlannerError(f"{len(absent)} ops of {graph.model_name} are not in the profile store {self.path} "
                                f"(first: {absent[0]}); run `planner profile` for this model first")
+        timed = [op.timing for op in ops.values() if not op.estimated and not KINDS[op.kind].view]
+        if len(set(timed)) > 1:
+            older = sum(t != TIMING for t in timed)
+            raise PlannerError(f"{older} ops of {graph.model_name} in the profile store {self.path} were timed "
+                               f"the older way (OpProfile.timing), the others not; run `planner profile` for this "
+                               f"model to time them alike")
         return Profile(estimated=self.estimated, device=stored.device, dtype=graph.dtype,
                        graph_sha256=graph.graph_sha256, ops=ops)
 

@@ -1,10 +1,13 @@
 """Measure every candidate of every op on the GPU (one registry, runner/ops, for every kind): time by CUDA-graph
 replay, output checked once against the float64 reference at the profiled shape.
 
-Timing: R launches of a candidate (inputs rotated over several random sets, so caches do not flatter) are
-captured once as a CUDA graph; the graph is replayed and the median over replays, divided by R, is the time.
-A single launch timed from Python would measure launch overhead, not the kernel. R is 10, fewer for slow
-candidates (judged by the CUPTI-timed check run, which also drops those over 50x the best before any replay).
+Timing: R and 2R launches of a candidate (inputs rotated over several random sets, so caches do not flatter)
+are captured as two CUDA graphs, replayed in turn; the difference of their medians over R is the time: what the
+op adds inside a graph, as it runs inside the plan's. A graph's launch has a fixed cost of its own (about 4 us on
+the H200) that a single graph's time divided by R charged to every op: 0.48 us each on GoogLeNet inference batch 1,
+whose serial plan was predicted 15% over its run (docs/BENCHMARKS.md, fifty-first session). A single launch timed
+from Python would measure launch overhead, not the kernel. R is 10, fewer for slow candidates (judged by the
+CUPTI-timed check run, which also drops those over 50x the best before any replay).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from planner.analytic import estimate_ops
 from planner.ir import Graph, Node
 from planner.occupancy import candidate_sm_fraction, dram_fraction, kernel_blocks_per_sm
 from planner.ops import KINDS
-from planner.profile import Candidate, DeviceInfo, OpProfile, Unsupported, describe_op, prune_candidates
+from planner.profile import (TIMING, Candidate, DeviceInfo, OpProfile, Unsupported, describe_op,
+                             prune_candidates)
 from planner.reference import KERNELS as REFERENCE
 from runner.cupti_trace import record_kernels
 from runner.gpu import gpu
@@ -30,6 +34,7 @@ from runner.ops.common import device_empty, to_device
 LAUNCHES_PER_GRAPH = 10
 GRAPH_TARGET_US = 500.0  # slow candidates get fewer launches per graph: the graph, not the launch count, is timed
 REPLAYS = 10
+MIN_MARGINAL_SHARE = 0.5  # a floor on the marginal time against the R-launch graph's time per launch (noise)
 INPUT_SETS = 3
 SLOWER_THAN_BEST_LIMIT = 50.0
 WORKSPACE_LIMIT_BYTES = 4 << 30
@@ -42,26 +47,32 @@ def launches_for(kernel_us: float) -> int:
 
 
 def replay_time_us(launch, stream, reps: int = REPLAYS, launches: int = LAUNCHES_PER_GRAPH) -> float:
-    """Median per-launch time of `launch(i)` for i in range(launches), captured as one CUDA graph."""
+    """What one more launch of `launch(i)` adds inside a CUDA graph: graphs of `launches` and twice as many launches
+    (i = 0, 1, ...) replayed in turn, the difference of their median times over `launches` (module docstring)."""
     cp = gpu().cp
 
-    def launch_all():
-        for i in range(launches):
-            launch(i)
+    def launch_all(count: int):
+        def issue():
+            for i in range(count):
+                launch(i)
+        return issue
 
     with stream:
         launch(0)  # warm-up outside the capture: lazy initialisation must not be captured
-        graph = capture(stream, launch_all)  # as the runner captures: memsets as kernels
-    graph.launch(stream)
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(reps):
-        start.record(stream)
+        graphs = [capture(stream, launch_all(count)) for count in (launches, 2 * launches)]  # memsets as kernels
+    for graph in graphs:
         graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / launches)
-    return statistics.median(times)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times: list[list[float]] = [[], []]
+    for _ in range(reps):
+        for graph, kept in zip(graphs, times):
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            kept.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+    single, double = (statistics.median(t) for t in times)
+    return max((double - single) / launches, MIN_MARGINAL_SHARE * single / launches)
 
 
 def output_error(outputs: list, want: list) -> float:
@@ -168,7 +179,7 @@ def measure_node(graph: Graph, node: Node, device: DeviceInfo, handle, stream, r
         candidates.append(cost_vector(device, name, time_us, workspace_bytes, kernels, min_bytes))
     if not candidates:
         return _estimated(graph, node, device, unsupported)
-    return OpProfile(signature=node.signature, kind=node.kind, describe=describe,
+    return OpProfile(signature=node.signature, kind=node.kind, describe=describe, timing=TIMING,
                      candidates=prune_candidates(candidates), measured_count=len(candidates), unsupported=unsupported)
 
 

@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from planner.analytic import estimate_profile
-from planner.calibrate import (Calibrated, co_running, co_running_rows, fit, fit_dispatch_us,
-                               simulated_makespan_us)
+from planner.calibrate import (Calibrated, co_running_rows, fit, fit_dispatch_us,
+                               simulated_makespan_us, traced_slowdowns)
 from planner.check import check_plan
 from planner.cli import app
 from planner.devices import load_device
@@ -193,7 +193,7 @@ def test_traces_show_how_much_slower_ops_run_beside_others(solved, tmp_path):
     report = _report(plan, tmp_path / "plan.json", plan.totals.predicted_us).model_copy(update={"ops": [
         OpTiming(node=o.node, algorithm=o.algorithm, stream=o.stream, predicted_us=1.0,
                  measured_us=alone_us.get(o.node, 0.0)) for o in plan.ops]})
-    beside = co_running(trace, plan, report)
+    beside = traced_slowdowns(trace, plan, report)
     others_share = {narrow.node: wide.sm_fraction, wide.node: narrow.sm_fraction, lone.node: 0.0}
     assert [b.beside for b in beside] == pytest.approx([others_share[o.node] for o in plan.ops if o.node in alone_us])
     rows = co_running_rows(beside)

@@ -12,7 +12,7 @@ from planner.analytic import estimate_ops, profile_analytic
 from planner.devices import load_device
 from planner.files import PlannerError, load_model, save_model
 from planner.onnx_import import import_onnx
-from planner.profile import Candidate, OpProfile, Profile
+from planner.profile import TIMING, Candidate, OpProfile, Profile
 from planner.profile_report import print_summary, summary_json, tradeoff
 from planner.store import ProfileStore, profile_graph, require_same_device
 
@@ -82,6 +82,25 @@ def test_identical_layers_share_entries_across_models(tmp_path, resnet, resnext)
     counter = Counter(resnext)
     profile_graph(resnext, store, counter)
     assert sorted(counter.seen) == sorted(todo)
+
+
+def test_a_measured_store_times_again_what_it_timed_the_older_way(tmp_path, resnet):
+    """Entries timed as one graph's time over its launches (the fixed cost of the graph's launch included) are
+    measured again, so that every op of a profile is timed alike; measured the current way, nothing is."""
+    estimated = dict(profile_graph(resnet, ProfileStore(tmp_path / "e", H100, estimated=True), Counter(resnet))[0].ops)
+    store = ProfileStore(tmp_path, MEASURED)
+    store.put_many(op.model_copy(update={"estimated": False}) for op in estimated.values() if op.kind != "reshape")
+    assert {store.get(s).timing for s in store.entries()} == {"graph"}
+    assert store.assemble(resnet).ops  # all timed the older way: alike
+    first = next(s for s in store.entries())
+    store.put(store.get(first).model_copy(update={"timing": TIMING}))
+    with pytest.raises(PlannerError, match="timed the older way"):
+        store.assemble(resnet)
+    counter = Counter(resnet)
+    profile_graph(resnet, store, lambda nodes: (op.model_copy(update={"estimated": False, "timing": TIMING})
+                                                for op in counter(nodes)))
+    assert sorted(counter.seen) == sorted({n.signature for n in resnet.nodes if n.kind != "reshape"} - {first})
+    assert store.missing(resnet) == []
 
 
 def test_analytic_entry_point(tmp_path, resnet):
