@@ -25,7 +25,7 @@ from scipy.optimize import linprog
 from planner.problem import SM_CAPACITY, Alternative
 
 MAX_CONFIGURATIONS = 200_000  # columns of one bound's LP; past it the ops keep the bounds that price them alone
-GENERATION_ROUNDS = 100  # of the LP's column generation (GoogLeNet training's forward blocks at k 1: 8-20)
+GENERATION_ROUNDS = 100  # of the LP's column generation; a round cut short still leaves a bound
 GENERATED_PER_ROUND = 100
 ROUNDS = 12  # replays to the fixed point: a 13th moves the makespan under 0.01% (GoogLeNet, Inception v3 plans)
 DAMPING = 0.5  # each round moves the durations halfway to the re-priced ones
@@ -120,7 +120,6 @@ def _covering_lp_us(work: sparse.csc_matrix) -> float | None:
     """min sum x s.t. work x >= 1, x >= 0, by column generation from the one-op configurations: each round
     solves the LP on the columns so far and adds those its duals y price above 1. Whatever the round, sum y
     over the largest priced column (at least 1) is a feasible dual, so a bound; at the end it is the optimum."""
-    priced = np.ones(work.shape[1])
     chosen = np.flatnonzero(np.diff(work.indptr) == 1)
     bound = 0.0
     for _ in range(GENERATION_ROUNDS):
