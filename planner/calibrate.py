@@ -273,9 +273,9 @@ class CoRun:
 
 
 def traced_slowdowns(trace: dict, plan: Plan, report: RunReport) -> list[CoRun]:
-    """Each op of the plan that the trace shows and the report timed alone, as a CoRun. The planner prices an op
-    at its time alone whatever runs beside it; on H100 narrow algorithms beside others take up to 1.5x that
-    (docs/BENCHMARKS.md), and this is the measurement a price for it needs."""
+    """Each op of the plan that the trace shows and the report timed alone, as a CoRun: its kernel time inside the
+    iteration against its time alone, by the SM share beside it (on H100 narrow algorithms beside others take up
+    to 1.5x their time alone; docs/BENCHMARKS.md), what the co-running slowdown k prices (planner.co_running)."""
     share = {o.trace_label: o.sm_fraction for o in plan.ops}
     kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in trace.get("traceEvents", [])
                if e.get("cat") == "kernel" and e.get("ph") == "X" and e.get("name") in share]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from test_bounds import with_shares
 from test_calibrate import _report
-from test_solver import H100, random_problem
+from test_solver import H100, place, random_problem
 from typer.testing import CliRunner
 
 from planner.analytic import estimate_profile
@@ -19,7 +19,7 @@ from planner.co_running import occupancy, settle
 from planner.devices import load_device
 from planner.files import load_model, save_model
 from planner.onnx_import import import_onnx
-from planner.problem import SM_CAPACITY, Alternative, Op, Problem, build_problem
+from planner.problem import Alternative, Op, Problem, build_problem
 from planner.profile import Profile
 from planner.schedule import Schedule
 from planner.show import sm_time_us
@@ -143,12 +143,7 @@ def settled_makespan_us(p: Problem, streams: int, rng: random.Random) -> float:
     while len(end) < len(p.ops):
         i = rng.choice([i for i, o in enumerate(p.ops) if i not in end and all(j in end for j in o.preds)])
         a = p.ops[i].alternatives[alt[i]]
-        earliest = max((end[j] for j in p.ops[i].preds), default=0)
-        for t in sorted({earliest, *(e for _, e, _ in placed if e > earliest)}):
-            running = [[sm for s, e, sm in placed if s <= x < e] for x in {t, *(s for s, _, _ in placed)}
-                       if t <= x < t + a.duration]
-            if all(sum(r) + a.sm_demand <= SM_CAPACITY and len(r) < streams for r in running):
-                break
+        t = place(a, max((end[j] for j in p.ops[i].preds), default=0), placed, streams)
         start[i], end[i] = t, t + a.duration
         placed.append((t, t + a.duration, a.sm_demand))
     s = Schedule(alt, start)

@@ -79,21 +79,24 @@ def random_problem(rng: random.Random, n_ops: int, n_alts: int, training: bool =
     return p
 
 
+def place(a: Alternative, earliest: int, placed: list[tuple[int, int, int]], streams: int) -> int:
+    """The earliest start from `earliest` where `a` fits beside the placed (start, end, SM demand) intervals: SM
+    share at most 100 and fewer than `streams` others at every instant it runs."""
+    for t in sorted({earliest, *(e for _, e, _ in placed if e >= earliest)}):
+        over = [(s, e, sm) for s, e, sm in placed if s < t + a.duration and t < e]
+        points = {t, *(s for s, _, _ in over if s > t)}
+        if all(sum(sm for s, e, sm in over if s <= x < e) + a.sm_demand <= 100
+               and sum(1 for s, e, _ in over if s <= x < e) < streams for x in points):
+            return t
+    raise AssertionError("an op fits after every placed one ends")
+
+
 def brute_force_makespan(p: Problem, streams: int) -> int:
     """Optimal makespan with SM share and stream count (memory ample): every alternative per op and every
     activity list, each scheduled by the serial schedule-generation scheme (active schedules hold an optimum).
     Depth first over the lists' prefixes, which they share, and cut where the prefix already ends no sooner than
     the best found: the makespan only grows as ops are placed."""
     best = 1 << 60
-
-    def place(a: Alternative, earliest: int, placed: list[tuple[int, int, int]]) -> int:
-        for t in sorted({earliest, *(e for _, e, _ in placed if e >= earliest)}):
-            over = [(s, e, sm) for s, e, sm in placed if s < t + a.duration and t < e]
-            points = {t, *(s for s, _, _ in over if s > t)}
-            if all(sum(sm for s, e, sm in over if s <= x < e) + a.sm_demand <= 100
-                   and sum(1 for s, e, _ in over if s <= x < e) < streams for x in points):
-                return t
-        raise AssertionError("an op fits after every placed one ends")
 
     def extend(placed: list[tuple[int, int, int]], end: dict[int, int]) -> None:
         nonlocal best
@@ -105,7 +108,7 @@ def brute_force_makespan(p: Problem, streams: int) -> int:
                 continue
             earliest = max((end[j] for j in op.preds), default=0)
             for a in op.alternatives:
-                t = place(a, earliest, placed)
+                t = place(a, earliest, placed, streams)
                 if max(t + a.duration, *end.values(), 0) < best:
                     extend([*placed, (t, t + a.duration, a.sm_demand)], {**end, i: t + a.duration})
 
