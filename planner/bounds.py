@@ -15,7 +15,8 @@ makespan); `head_tail` combines them all and is the strongest without a cap:
   chain_fill     C >= the longest chain plus what of the other ops cannot fit in the room beside it
                  (`planner.chain_fill`, an LP)
   co_running     C >= the segments' bounds summed, each segment's at least what its ops take when each runs
-                 slowed by the SM share beside it (`planner.co_running`, an LP; with a co-running slowdown only)
+                 slowed by the SM share beside it (`planner.co_running`: an LP, and each op's SM work raised by
+                 what running alone or beside others costs it; with a co-running slowdown only)
   memory_cut     C + copy interference >= heads, tails and SM work (on the strongest cuts, the chain and its
                  fillers) plus what sending the bytes a cap forces off the device at a cut op costs at least (an
                  LP; under a cap only; `planner.memory_bounds`)
@@ -30,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.chain_fill import LP, add_chain_fill, chain_and_fillers
+from planner.co_running import area_us as co_running_area_us
 from planner.co_running import lower_bound_us as co_running_us
 from planner.dag import Dag, dram_share, rates, sm_share
 from planner.memory_bounds import memory_cut_us
@@ -190,14 +192,16 @@ def segment_us(dag: Dag, anc: np.ndarray, first: int, end: int, streams: int, dr
                co_running: float = 0.0) -> float:
     """A bound on the time the ops at positions [first, end) take, alone: head_tail and chain_fill of their own
     DAG from 2 up to SEGMENT_OPS ops, the chain and the SM work otherwise (one op: its fastest time); with a
-    co-running slowdown on several streams, also what running side by side costs them (`co_running`)."""
+    co-running slowdown on several streams, also what running side by side costs them (`co_running`: the
+    configuration LP, and the area bound that holds where the LP has too many configurations)."""
     sub = Dag([[u - first for u in dag.preds[v] if u >= first] for v in range(first, end)], dag.alts[first:end])
     best = max(_longest_chain_us(sub, sub.fastest_us()), float(sub.least(sm_share).sum()))
     if 1 < end - first <= SEGMENT_OPS:
         best = max(best, head_tail_us(sub, streams, dram), chain_fill_us(sub, anc[first:end, first:end], streams, dram))
     if co_running > 0 and streams > 1 and end - first > 1:
         related = anc[first:end, first:end] | anc[first:end, first:end].T | np.eye(end - first, dtype=bool)
-        best = max(best, co_running_us(sub.alts, ~related, streams, co_running) or 0.0)
+        best = max(best, co_running_us(sub.alts, ~related, streams, co_running) or 0.0,
+                   co_running_area_us(sub.alts, co_running))
     return best
 
 

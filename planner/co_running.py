@@ -50,13 +50,15 @@ def settle(alone_us: np.ndarray, share: np.ndarray, k: float,
            replay: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(start, end, slowdown) of each item: `replay` maps durations to as-soon-as-possible starts and ends; the
-    durations are `alone_us` slowed by `1 + k x occupancy` at the fixed point (module docstring)."""
+    durations are `alone_us` slowed by `1 + k x occupancy` at the fixed point (module docstring). Items without
+    an SM share (copies, on their copy engines) keep their durations."""
     duration = np.asarray(alone_us, dtype=float)
     start, end = replay(duration)
     if k <= 0 or not share.any():
         return start, end, np.ones_like(duration)
+    kernels = share > 0
     for _ in range(ROUNDS):
-        target = alone_us * (1.0 + k * occupancy(start, end, share))
+        target = alone_us * (1.0 + k * kernels * occupancy(start, end, share))
         duration = duration + DAMPING * (target - duration)
         start, end = replay(duration)
     return start, end, np.divide(duration, alone_us, out=np.ones_like(duration), where=alone_us > 0)
@@ -114,6 +116,23 @@ def lower_bound_us(alternatives: list[list[Alternative]], unrelated: np.ndarray,
     work = sparse.csc_matrix((np.concatenate(rates), (np.concatenate(op_of), np.concatenate(column_of))),
                              shape=(len(alternatives), columns))
     return _covering_lp_us(work)
+
+
+def area_us(alternatives: list[list[Alternative]], k: float) -> float:
+    """A bound on the time the ops take, each slowed by what runs beside it, that needs no configurations (so it
+    holds where `lower_bound_us` has too many): each op's least of t x phi(s) over its alternatives, summed,
+
+      T >= sum_i min_a t_ia phi(s_ia),   phi(s) = min(1, s (1 + k (1 - s)))
+
+    A narrow op either runs alone, leaving SMs idle, or beside others, slowed: either way it costs more than its
+    SM work. Proof: in a configuration of shares summing to U <= 1, op j gains phi(s_j) / (1 + k (U - s_j)) <=
+    s_j / U of area per us (where k s_j <= 1 from the first form, else from phi <= 1; equality at U = 1), so the
+    configuration gains at most 1; this is a dual solution of `lower_bound_us`'s LP."""
+    def phi(a: Alternative) -> float:
+        share = a.sm_demand / SM_CAPACITY
+        return min(1.0, share * (1.0 + k * (1.0 - share)))
+
+    return float(sum(min(a.time_us * phi(a) for a in alts) for alts in alternatives))
 
 
 def _covering_lp_us(work: sparse.csc_matrix) -> float | None:
