@@ -54,6 +54,8 @@ GRID_US = 0.1  # time step of the SM-share timeline `traced_slowdowns` builds fr
 SHARE_BINS = (0.2, 0.4, 0.6, 0.8, 1.0)  # upper edges of the ops' own SM shares in `co_running_rows`
 BESIDE = 0.3  # an op runs beside others when their SM share averages at least this over its kernels
 ALONE = 0.05  # ... and alone when below this
+MIN_EXPOSURE_SPREAD = 0.01  # runs whose co-running costs at k 1 differ by less cannot tell k from run noise
+# (about 0.5%; `unidentified_co_running`)
 
 
 @dataclass
@@ -113,6 +115,22 @@ def simulated_makespan_us(plan: Plan, dispatch_us: float, copy_slowdown: dict[st
         return span[:, 0], span[:, 1]
 
     return float(settle(alone, share, k if plan.compute_streams > 1 else 0.0, replay)[1].max(initial=0.0))
+
+
+def co_running_cost(run: Calibrated, k: float) -> float:
+    """What co-running at k adds to the run's replay (at its dispatch time), over its replay at k 0, relative."""
+    slowed, alone = (simulated_makespan_us(run.plan, run.dispatch_us, run.copy_slowdown, at) for at in (k, 0.0))
+    return slowed / alone - 1
+
+
+def unidentified_co_running(runs: list[Calibrated]) -> tuple[float, float] | None:
+    """(least, most) co-running cost at k 1 over the runs k is fitted on, where they differ by less than
+    MIN_EXPOSURE_SPREAD, else None. Runs that lose alike to co-running cannot tell k from the dispatch time:
+    two Inception v3 inference plans on two streams (2.4% and 2.8% at k 1, H200) fitted k 0.39, under which
+    solve chose a packed plan predicted 5% under serial where every packed Inception v3 plan ran 3-6% over it."""
+    several = [r for r in runs if r.plan.compute_streams > 1]
+    costs = [co_running_cost(r, 1.0) for r in ([r for r in several if not r.plan.copies] or several)]
+    return (min(costs), max(costs)) if len(costs) > 1 and max(costs) - min(costs) < MIN_EXPOSURE_SPREAD else None
 
 
 def mean_error(runs: list[Calibrated], dispatch_us: float, copy_interference: float = 0.0) -> float:

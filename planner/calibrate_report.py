@@ -10,8 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from planner.calibrate import (co_running_rows, fit, fit_copy_slowdown, pair, traced_copies, traced_slowdowns,
-                               write_calibration)
+from planner.calibrate import (co_running_cost, co_running_rows, fit, fit_copy_slowdown, pair, traced_copies,
+                               traced_slowdowns, unidentified_co_running, write_calibration)
 from planner.files import PlannerError, load_model
 from planner.plan import Plan
 from planner.report import RunReport
@@ -47,13 +47,20 @@ def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[
     else:
         fitted.append(f"copy interference {interference:.3f} us per us of copy")
     table = Table(title=f"{mode}: " + "; ".join(fitted))
-    for col in ("run", "streams", "ops", "measured us", "predicted us (error)", "at the fitted values (error)"):
+    for col in ("run", "streams", "ops", "measured us", "predicted us (error)", "at the fitted values (error)",
+                "of which co-running"):
         table.add_column(col, justify="left" if col == "run" else "right", overflow="fold")
     for r in runs:  # errors as `planner run` reports them: measured over predicted, minus 1
         table.add_row(r.name, str(r.plan.compute_streams), str(len(r.plan.ops)), f"{r.measured_us:.1f}",
                       f"{r.predicted_us:.1f} ({r.measured_us / r.predicted_us - 1:+.1%})",
-                      f"{r.fitted_us:.1f} ({r.measured_us / r.fitted_us - 1:+.1%})")
+                      f"{r.fitted_us:.1f} ({r.measured_us / r.fitted_us - 1:+.1%})",
+                      f"{co_running_cost(r, r.co_running):+.1%}" if r.co_running else "")
     console.print(table)
+    if fitted_values.co_running is not None and (alike := unidentified_co_running(runs)):
+        console.print(f"[yellow]warning:[/yellow] k {fitted_values.co_running:.2f} rests on runs that lose alike to "
+                      f"co-running ({alike[0]:.1%}-{alike[1]:.1%} of their time at k 1), which cannot tell it from "
+                      "the dispatch time; add the run of a plan that packs its ops closer (a refined one: planner "
+                      "solve --time-limit 60) before trusting it")
     if beside:
         table = Table(title="ops in the traced iterations against alone (the planner prices them alone)")
         for col in ("ops", "count", "time alone us", "in the iteration us", "ratio"):

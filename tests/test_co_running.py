@@ -139,11 +139,25 @@ def test_calibrate_writes_the_slowdown_and_solve_settles_with_it(googlenet_b1, t
         save_model(_report(plan, tmp_path / f"s{streams}.plan.json", measured), report)
     result = CliRunner().invoke(app, ["calibrate", *map(str, reports), "--write", str(profile_file)])
     assert result.exit_code == 0, result.output
-    assert "co-running slowdown" in result.output
+    assert "co-running slowdown" in result.output and "warning" not in result.output
     device = load_model(Profile, profile_file).device
     assert device.co_running["inference"] == pytest.approx(0.8, abs=0.03)
     again = solve_plan(g, load_model(Profile, profile_file), prof.device.memory_bytes, Options(time_limit_s=0))
     assert again.totals.co_running == device.co_running["inference"] and check_plan(again).ok
+
+
+def test_calibrate_warns_when_the_runs_cannot_tell_k_from_the_dispatch_time(googlenet_b1, tmp_path):
+    """Two runs of one plan lose alike to co-running: whatever k, a dispatch time fits them both."""
+    g, prof = googlenet_b1
+    plan = solve_plan(g, prof, prof.device.memory_bytes, Options(time_limit_s=0))
+    save_model(plan, plan_file := tmp_path / "plan.json")
+    reports = [tmp_path / f"r{i}.json" for i in range(2)]
+    for report, measured in zip(reports, (1.02, 1.03)):
+        save_model(_report(plan, plan_file, measured * plan.totals.predicted_us), report)
+    result = CliRunner().invoke(app, ["calibrate", *map(str, reports)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "co-running slowdown k" in text and "lose alike to co-running" in text
 
 
 def side_by_side(k: float) -> Problem:
