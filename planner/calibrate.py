@@ -117,6 +117,13 @@ def simulated_makespan_us(plan: Plan, dispatch_us: float, copy_slowdown: dict[st
     return float(settle(alone, share, k if plan.compute_streams > 1 else 0.0, replay)[1].max(initial=0.0))
 
 
+def k_runs(runs: list[Calibrated]) -> list[Calibrated]:
+    """The runs the co-running slowdown k is fitted on: those on several streams, without copies where any is
+    (as for the dispatch time: copies are priced apart)."""
+    several = [r for r in runs if r.plan.compute_streams > 1]
+    return [r for r in several if not r.plan.copies] or several
+
+
 def co_running_cost(run: Calibrated, k: float) -> float:
     """What co-running at k adds to the run's replay (at its dispatch time), over its replay at k 0, relative."""
     slowed, alone = (simulated_makespan_us(run.plan, run.dispatch_us, run.copy_slowdown, at) for at in (k, 0.0))
@@ -128,8 +135,7 @@ def unidentified_co_running(runs: list[Calibrated]) -> tuple[float, float] | Non
     MIN_EXPOSURE_SPREAD, else None. Runs that lose alike to co-running cannot tell k from the dispatch time:
     two Inception v3 inference plans on two streams (2.4% and 2.8% at k 1, H200) fitted k 0.39, under which
     solve chose a packed plan predicted 5% under serial where every packed Inception v3 plan ran 3-6% over it."""
-    several = [r for r in runs if r.plan.compute_streams > 1]
-    costs = [co_running_cost(r, 1.0) for r in ([r for r in several if not r.plan.copies] or several)]
+    costs = [co_running_cost(r, 1.0) for r in k_runs(runs)]
     return (min(costs), max(costs)) if len(costs) > 1 and max(costs) - min(costs) < MIN_EXPOSURE_SPREAD else None
 
 
@@ -157,7 +163,7 @@ def fit(runs: list[Calibrated]) -> Fit:
     if not runs:
         raise PlannerError("no run reports to calibrate from")
     several, one = [r for r in runs if r.plan.compute_streams > 1], [r for r in runs if r.plan.compute_streams == 1]
-    plain = [r for r in several if not r.plan.copies] or several  # as the dispatch time: copies priced apart
+    plain = k_runs(runs)
     k = _fit_co_running(plain) if len(plain) > 1 else None
     for r in several:
         r.co_running = k or 0.0
