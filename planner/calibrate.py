@@ -55,6 +55,7 @@ SHARE_BINS = (0.2, 0.4, 0.6, 0.8, 1.0)  # upper edges of the ops' own SM shares 
 BESIDE = 0.3  # an op runs beside others when their SM share averages at least this over its kernels
 ALONE = 0.05  # ... and alone when below this
 MIN_EXPOSURE_SPREAD = 0.01  # runs whose co-running costs at k 1 differ by less cannot tell k from run noise
+MIN_RANK_GAP = 0.01  # plans of one graph whose runs differ by more than this are told apart, not by run noise
 # (about 0.5%; `unidentified_co_running`)
 
 
@@ -137,6 +138,19 @@ def unidentified_co_running(runs: list[Calibrated]) -> tuple[float, float] | Non
     solve chose a packed plan predicted 5% under serial where every packed Inception v3 plan ran 3-6% over it."""
     costs = [co_running_cost(r, 1.0) for r in k_runs(runs)]
     return (min(costs), max(costs)) if len(costs) > 1 and max(costs) - min(costs) < MIN_EXPOSURE_SPREAD else None
+
+
+def misranked(runs: list[Calibrated]) -> list[tuple[Calibrated, Calibrated]]:
+    """(faster, slower) pairs of runs of one graph that ran more than MIN_RANK_GAP apart and that the fit ranks
+    the other way round: between such plans it cannot choose (H200, GoogLeNet training: the shipped plan ran
+    1.4% faster than a re-solved one, fitted 0.9% slower)."""
+    pairs = []
+    for a in runs:
+        for b in runs:
+            if (a.plan.graph_sha256 == b.plan.graph_sha256 and a.measured_us * (1 + MIN_RANK_GAP) < b.measured_us
+                    and a.fitted_us > b.fitted_us):
+                pairs.append((a, b))
+    return pairs
 
 
 def mean_error(runs: list[Calibrated], dispatch_us: float, copy_interference: float = 0.0) -> float:

@@ -10,8 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from planner.calibrate import (co_running_cost, co_running_rows, fit, fit_copy_slowdown, pair, traced_copies,
-                               traced_slowdowns, unidentified_co_running, write_calibration)
+from planner.calibrate import (co_running_cost, co_running_rows, fit, fit_copy_slowdown, misranked, pair,
+                               traced_copies, traced_slowdowns, unidentified_co_running, write_calibration)
 from planner.files import PlannerError, load_model
 from planner.plan import Plan
 from planner.report import RunReport
@@ -61,6 +61,10 @@ def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[
                       f"co-running ({alike[0]:.1%}-{alike[1]:.1%} of their time at k 1), which cannot tell it from "
                       "the dispatch time; add the run of a plan that packs its ops closer (a refined one: planner "
                       "solve --time-limit 60) before trusting it")
+    for faster, slower in misranked(runs):
+        console.print(f"[yellow]warning:[/yellow] {faster.name} ran {slower.measured_us / faster.measured_us - 1:.1%} "
+                      f"faster than {slower.name}, but the fit ranks it {faster.fitted_us / slower.fitted_us - 1:.1%} "
+                      "slower: between such plans the model cannot choose; keep the one measured faster")
     if beside:
         table = Table(title="ops in the traced iterations against alone (the planner prices them alone)")
         for col in ("ops", "count", "time alone us", "in the iteration us", "ratio"):
