@@ -55,8 +55,8 @@ SHARE_BINS = (0.2, 0.4, 0.6, 0.8, 1.0)  # upper edges of the ops' own SM shares 
 BESIDE = 0.3  # an op runs beside others when their SM share averages at least this over its kernels
 ALONE = 0.05  # ... and alone when below this
 MIN_EXPOSURE_SPREAD = 0.01  # runs whose co-running costs at k 1 differ by less cannot tell k from run noise
-MIN_RANK_GAP = 0.01  # plans of one graph whose runs differ by more than this are told apart, not by run noise
 # (about 0.5%; `unidentified_co_running`)
+MIN_RANK_GAP = 0.01  # runs of one graph further apart than this differ by their plans, not by run noise (`misranked`)
 
 
 @dataclass
