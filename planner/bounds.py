@@ -17,9 +17,9 @@ makespan); `head_tail` combines them all and is the strongest without a cap:
   co_running     C >= the segments' bounds summed, each segment's at least what its ops take when each runs
                  slowed by the SM share beside it (`planner.co_running`: an LP, and each op's SM work raised by
                  what running alone or beside others costs it; with a co-running slowdown only)
-  memory_cut     C + copy interference >= heads, tails and SM work (on the strongest cuts, the chain and its
-                 fillers) plus what sending the bytes a cap forces off the device at a cut op costs at least (an
-                 LP; under a cap only; `planner.memory_bounds`)
+  memory_cut     C + copy interference >= heads, tails and SM work (with a co-running slowdown, the co-running
+                 area too; on the strongest cuts, the chain and its fillers) plus what sending the bytes a cap
+                 forces off the device at a cut op costs at least (an LP; under a cap only; `planner.memory_bounds`)
 
 Window bounds: every op of a set S that runs within a window of length L gives L >= sum over S of base weights
 + the heaviest chain in S of chain weights (`Window`). Rates make the base weights (`rates`), big ops and
@@ -68,7 +68,8 @@ def lower_bounds_us(p: Problem, streams: int, cap_bytes: int | None = None, quic
             heads, tails, bounds["co_running"] = segment_heads_tails(dag, anc, heads, tails, streams, dram,
                                                                      p.co_running)
         if cap_bytes is not None and any(t.choosable for t in p.tensors):
-            bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, anc, heads, tails, streams, dram)
+            bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, anc, heads, tails, streams, dram,
+                                                 p.co_running)
     return bounds
 
 

@@ -127,12 +127,19 @@ def area_us(alternatives: list[list[Alternative]], k: float) -> float:
     A narrow op either runs alone, leaving SMs idle, or beside others, slowed: either way it costs more than its
     SM work. Proof: in a configuration of shares summing to U <= 1, op j gains phi(s_j) / (1 + k (U - s_j)) <=
     s_j / U of area per us (where k s_j <= 1 from the first form, else from phi <= 1; equality at U = 1), so the
-    configuration gains at most 1; this is a dual solution of `lower_bound_us`'s LP."""
+    configuration gains at most 1; this is a dual solution of `lower_bound_us`'s LP. The gain holds at every
+    instant, so the ops that must run within any stretch of time take at least their areas there."""
+    phi = area_rate(k)
+    return float(sum(min(a.time_us * phi(a) for a in alts) for alts in alternatives))
+
+
+def area_rate(k: float) -> Callable[[Alternative], float]:
+    """phi of `area_us`: the share of the GPU's time an alternative's time alone costs, at least, at slowdown k."""
     def phi(a: Alternative) -> float:
         share = a.sm_demand / SM_CAPACITY
         return min(1.0, share * (1.0 + k * (1.0 - share)))
 
-    return float(sum(min(a.time_us * phi(a) for a in alts) for alts in alternatives))
+    return phi
 
 
 def _covering_lp_us(work: sparse.csc_matrix) -> float | None:

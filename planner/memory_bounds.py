@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.chain_fill import LP, Filler, add_chain_fill, chain_and_fillers
+from planner.co_running import area_rate
 from planner.dag import Dag, rates, sm_share
 from planner.memory_floor import memory_floor, own_bytes
 from planner.problem import Problem
@@ -78,7 +79,7 @@ class Cut:
 
 
 def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: np.ndarray, tails: np.ndarray,
-                  streams: int, dram: bool = False) -> float:
+                  streams: int, dram: bool = False, co_running: float = 0.0) -> float:
     """C + copy interference >= the least, over fractional offload o_t and recompute r_t of the `Cut`'s away
     tensors freeing sum (o_t + r_t) bytes_t >= held + away bytes - cap, of H + A + copy_interference x sum o_t
     (d2h_t + h2d_t), for the cut op that gives most; H = start(v), A = C - start(v):
@@ -86,12 +87,16 @@ def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: 
       A >= fastest(v) + tail(v);  A >= q + sum o_t h2d_t over t whose readers' fastest + tail >= q, each q
       A >= work of v and its descendants + sum r_t x the recomputation's work   (recomputations after start(v))
       H + A >= work of every op + sum r_t x the recomputation's work
-    where work is time x rate, for the SM share and for 1 / streams (on one stream: every op's time, which the SM
-    share leaves out). Offloading and recomputing only add work, so nothing else changes; the relaxation is a
-    linear program. On the CHAIN_FILL_CUTS cuts that give most, A also bounds `chain_fill` over v and its
-    descendants, the recomputations among the fillers (each a share r_t of itself)."""
+    where work is time x rate, for the SM share, for 1 / streams (on one stream: every op's time, which the SM
+    share leaves out) and, with a co-running slowdown k on several streams, for `co_running.area_rate` (a narrow
+    op leaves SMs idle or runs slowed: without it the co-running tails, which price no recomputation, hid what the
+    cap costs, ResNet-50 training b32 at 50% on the H200 6198.4 us against a plan of 6854.1). Offloading and
+    recomputing only add work, so nothing else changes; the relaxation is a linear program. On the
+    CHAIN_FILL_CUTS cuts that give most, A also bounds `chain_fill` over v and its descendants, the
+    recomputations among the fillers (each a share r_t of itself)."""
     fastest = dag.fastest_us()
-    works = [(rate, dag.least(rate)) for rate in (sm_share, lambda alt: 1.0 / streams)]
+    slowed = [area_rate(co_running)] if co_running > 0 and streams > 1 else []
+    works = [(rate, dag.least(rate)) for rate in (sm_share, lambda alt: 1.0 / streams, *slowed)]
     pos = {op: k for k, op in enumerate(dag.order)}
     related = anc | anc.T
     programs = []

@@ -20,7 +20,7 @@ class OpTiming(BaseModel):
 
 class Check(BaseModel):
     tensor: str
-    what: Literal["output", "loss", "weight_gradient", "updated_weight", "round_trip"]
+    what: Literal["output", "loss", "activation", "weight_gradient", "updated_weight", "round_trip"]
     relative_error: float
     tolerance: float
     passed: bool

@@ -1,7 +1,7 @@
 """Run a plan: validate the first iteration against the NumPy reference, replay it, measure time and memory.
 
-Validation (runner/validate.py): inference outputs, or the training loss, end to end; every weight gradient and
-updated weight op by op; NaN or Inf fails.
+Validation (runner/validate.py): inference outputs, or the training loss, end to end; every op's output
+(inference), or every weight gradient and updated weight (training), op by op; NaN or Inf fails.
 Per-op times come from a separate pass that runs each item alone between device synchronisations: the time its
 kernels keep the GPU busy (CUPTI; `busy_us`); iteration times from CUDA events around each replay of the captured graph.
 """
@@ -22,7 +22,7 @@ from runner.cupti_trace import record_activity
 from runner.executor import Execution
 from runner.gpu import gpu
 from runner.trace import NODE_KINDS, owners, replay_trace
-from runner.validate import end_to_end, rounded, weights_op_by_op
+from runner.validate import end_to_end, outputs_op_by_op, rounded, weights_op_by_op
 
 WARMUP = 3
 
@@ -115,8 +115,8 @@ def run_plan(graph: Graph, plan: Plan, plan_file: str, device_name: str, iterati
     launch()
     origin.synchronize()
     checks = end_to_end(exe, graph, host) if check else []
-    if check and graph.training:
-        checks += weights_op_by_op(exe, graph)
+    if check:
+        checks += weights_op_by_op(exe, graph) if graph.training else outputs_op_by_op(exe, graph)
     for _ in range(WARMUP):
         launch()
     times = timed_us(launch, origin, iterations)

@@ -15,6 +15,7 @@ from planner.memory_bounds import memory_lower_bound
 from planner.heuristic import list_schedule
 from planner.problem import Alternative, Op, Problem
 from planner.schedule import peak_memory, timed
+from planner.streams import assign_streams, maximal_predecessors, schedule_items, settled
 
 OLD = ("critical_path", "sm_work", "streams")  # the bounds plans reported before heads, tails and big ops
 
@@ -223,6 +224,48 @@ def test_on_one_stream_the_memory_cut_counts_a_narrow_recomputation_whole(monkey
     assert lower_bounds_us(p, 4, 3500)["memory_cut"] < 48 + 1.5 < one_stream
     result = solve_tiny(p, 3500, 1)
     assert result.status == "OPTIMAL" and one_stream <= result.schedule.makespan(p)
+
+
+def settled_us(p: Problem, schedule) -> float:
+    """The schedule's makespan once each op is slowed by what runs beside it, as `build_plan` settles it."""
+    items = schedule_items(p, schedule)
+    assign_streams(p, items)
+    waits = [[a for a in preds if items[a].stream != items[b].stream]
+             for b, preds in enumerate(maximal_predecessors(items))]
+    return float(settled(p, schedule, items, waits)[1].max())
+
+
+def test_with_co_running_the_memory_cut_prices_a_narrow_recomputation_slowed(monkeypatch):
+    """A recomputation on 30% of the SMs costs 0.3 us of SM work per us, but at k 3 it leaves SMs idle or slows
+    what runs beside it: the cut counts it at phi(0.3) = 0.93 (`co_running.area_rate`), where the co-running
+    tails, which price no recomputation, stay at the chain's 48 us."""
+    monkeypatch.setattr("planner.memory_bounds.CHAIN_FILL_CUTS", 0)
+    p = slow_copy_chain(6)
+    for t in p.tensors:
+        if t.can_recompute:
+            t.can_offload, t.recompute = False, replace(t.recompute, sm_demand=30)
+    alone = lower_bounds_us(p, 4, 3500)
+    p.co_running = 3.0
+    slowed = lower_bounds_us(p, 4, 3500)
+    assert slowed["co_running"] == pytest.approx(48)
+    assert alone["memory_cut"] + 1 < slowed["memory_cut"] < 48 + 3
+    result = solve_tiny(p, 3500, 4)
+    assert result.status == "OPTIMAL" and slowed["memory_cut"] <= settled_us(p, result.schedule)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_with_co_running_the_memory_cut_is_at_most_the_optimal_schedule_settled(seed):
+    rng = random.Random(seed)
+    p = with_shares(random_chain(rng), rng)
+    for t in p.tensors:
+        if t.can_recompute:
+            t.recompute = replace(t.recompute, sm_demand=rng.choice([10, 30, 60]))
+    p.co_running = rng.choice([0.5, 1.4, 3.0])
+    keep_all = list_schedule(p, float("inf"), 4, {}).schedule
+    cap = rng.randint(memory_lower_bound(p)[0] + 500, peak_memory(p, {}, timed(p, keep_all))[0])
+    result = solve_tiny(p, cap, 4)
+    assert result.status == "OPTIMAL"
+    assert lower_bounds_us(p, 4, cap)["memory_cut"] <= settled_us(p, result.schedule) + 1e-6
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_bounds import with_shares
+from test_bounds import settled_us, with_shares
 from test_calibrate import _report
 from test_solver import H100, place, random_problem
 from typer.testing import CliRunner
@@ -27,7 +27,6 @@ from planner.schedule import Schedule
 from planner.show import sm_time_us
 from planner.solve import Options, solve_plan
 from planner.stats import serial_peak_bytes
-from planner.streams import assign_streams, maximal_predecessors, schedule_items, settled
 from planner.training import build_training
 
 MODELS = Path(__file__).parent / "models"
@@ -202,12 +201,7 @@ def settled_makespan_us(p: Problem, streams: int, rng: random.Random) -> float:
         t = place(a, max((end[j] for j in p.ops[i].preds), default=0), placed, streams)
         start[i], end[i] = t, t + a.duration
         placed.append((t, t + a.duration, a.sm_demand))
-    s = Schedule(alt, start)
-    items = schedule_items(p, s)
-    assign_streams(p, items)
-    waits = [[a for a in preds if items[a].stream != items[b].stream]
-             for b, preds in enumerate(maximal_predecessors(items))]
-    return float(settled(p, s, items, waits)[1].max())
+    return settled_us(p, Schedule(alt, start))
 
 
 @pytest.mark.parametrize("seed", range(12))
