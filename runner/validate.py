@@ -2,9 +2,10 @@
 and inputs rounded to the device dtypes.
 
 End to end: inference outputs, or the training loss, against a reference run whose every op output is
-rounded to its storage dtype. Weight gradients and updated weights are checked op by op instead: each op that
-writes one runs eagerly and its output is compared with the reference op applied to the device's own inputs.
-End to end they cannot be judged in fp16: two float64 references that differ only in rounding each stored
+rounded to its storage dtype. Op by op: each op that writes a checked tensor (in inference every op's output, in
+training the weight gradients and updated weights) runs eagerly and its output is compared with the reference
+op applied to the device's own inputs.
+Weight gradients cannot be judged end to end in fp16: two float64 references that differ only in rounding each stored
 tensor to fp16 already disagree on GoogLeNet b32's weight gradients by 32% (median; 172 of 173 over 1e-2),
 because ReLU masks flip where activations are near zero and BatchNormalization spreads that through each batch;
 where the learning rate makes an update a few percent of a weight (ResNet-50's first layers), the updated
