@@ -68,8 +68,7 @@ def lower_bounds_us(p: Problem, streams: int, cap_bytes: int | None = None, quic
             heads, tails, bounds["co_running"] = segment_heads_tails(dag, anc, heads, tails, streams, dram,
                                                                      p.co_running)
         if cap_bytes is not None and any(t.choosable for t in p.tensors):
-            bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, anc, heads, tails, streams, dram,
-                                                 p.co_running)
+            bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, anc, heads, tails, streams, dram)
     return bounds
 
 

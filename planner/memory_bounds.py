@@ -79,7 +79,7 @@ class Cut:
 
 
 def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: np.ndarray, tails: np.ndarray,
-                  streams: int, dram: bool = False, co_running: float = 0.0) -> float:
+                  streams: int, dram: bool = False) -> float:
     """C + copy interference >= the least, over fractional offload o_t and recompute r_t of the `Cut`'s away
     tensors freeing sum (o_t + r_t) bytes_t >= held + away bytes - cap, of H + A + copy_interference x sum o_t
     (d2h_t + h2d_t), for the cut op that gives most; H = start(v), A = C - start(v):
@@ -95,7 +95,7 @@ def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: 
     CHAIN_FILL_CUTS cuts that give most, A also bounds `chain_fill` over v and its descendants, the
     recomputations among the fillers (each a share r_t of itself)."""
     fastest = dag.fastest_us()
-    slowed = [area_rate(co_running)] if co_running > 0 and streams > 1 else []
+    slowed = [area_rate(p.co_running)] if p.co_running > 0 and streams > 1 else []
     works = [(rate, dag.least(rate)) for rate in (sm_share, lambda alt: 1.0 / streams, *slowed)]
     pos = {op: k for k, op in enumerate(dag.order)}
     related = anc | anc.T

@@ -107,12 +107,18 @@ def settled(p: Problem, s: Schedule, items: list[Item], waits: list[list[int]]
                   lambda duration: replay(items, waits, duration))
 
 
+def cross_stream_waits(items: list[Item]) -> list[list[int]]:
+    """Per item, the events it waits for: its maximal predecessors on other streams (its own stream orders the
+    rest)."""
+    return [[a for a in preds if items[a].stream != items[b].stream]
+            for b, preds in enumerate(maximal_predecessors(items))]
+
+
 def build_plan(graph: Graph, p: Problem, s: Schedule, totals: Totals, streams_limit: int) -> Plan:
     """The executable plan of a schedule; fills the predicted times, peak and residencies into `totals`."""
     items = schedule_items(p, s)
     compute_streams = assign_streams(p, items)
-    waits = [[a for a in preds if items[a].stream != items[b].stream]
-             for b, preds in enumerate(maximal_predecessors(items))]
+    waits = cross_stream_waits(items)
     waited = sorted({a for w in waits for a in w})
     event = {a: f"e{k}" for k, a in enumerate(waited)}
     start, end, slowdown = settled(p, s, items, waits)

@@ -15,7 +15,7 @@ from planner.memory_bounds import memory_lower_bound
 from planner.heuristic import list_schedule
 from planner.problem import Alternative, Op, Problem
 from planner.schedule import peak_memory, timed
-from planner.streams import assign_streams, maximal_predecessors, schedule_items, settled
+from planner.streams import assign_streams, cross_stream_waits, schedule_items, settled
 
 OLD = ("critical_path", "sm_work", "streams")  # the bounds plans reported before heads, tails and big ops
 
@@ -230,9 +230,7 @@ def settled_us(p: Problem, schedule) -> float:
     """The schedule's makespan once each op is slowed by what runs beside it, as `build_plan` settles it."""
     items = schedule_items(p, schedule)
     assign_streams(p, items)
-    waits = [[a for a in preds if items[a].stream != items[b].stream]
-             for b, preds in enumerate(maximal_predecessors(items))]
-    return float(settled(p, schedule, items, waits)[1].max())
+    return float(settled(p, schedule, items, cross_stream_waits(items))[1].max())
 
 
 def test_with_co_running_the_memory_cut_prices_a_narrow_recomputation_slowed(monkeypatch):
