@@ -69,6 +69,7 @@ class Outcome:
     overflow: int = 0
     over_at: list[int] = field(default_factory=list)
     reserve: bool = False  # list-scheduled with prefetches leaving room for the jobs before their readers
+    slack: float = 1.0  # list-scheduled at this slack
 
     @property
     def fits(self) -> bool:
@@ -296,7 +297,7 @@ def list_schedule(p: Problem, cap_bytes: int, streams: int, decision: dict[int, 
     s.alt, s.start = choice[:n], start[:n]
     s.recompute_start = {t: start[n + k] for k, t in enumerate(rec)}
     s.recompute_alt = {t: choice[n + k] for k, t in enumerate(rec)}
-    return Outcome(s, s.makespan(p), over, overflow, over_at, reserve)
+    return Outcome(s, s.makespan(p), over, overflow, over_at, reserve, slack)
 
 
 def _within_slack(alts: list[Alternative], slack: float) -> list[int]:

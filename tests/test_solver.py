@@ -28,7 +28,7 @@ from planner.onnx_import import import_onnx
 from planner.decisions import cheapest_cover, fit_cap, recompute_over_offload
 from planner.heuristic import Work, baseline, cost, list_schedule
 from planner.problem import Alternative, Op, Problem, TensorUse, build_problem
-from planner.schedule import peak_memory, residency, timed
+from planner.schedule import peak_memory, peaks_within, residency, timed
 from planner.profile import Profile
 from planner.arena_fit import ARENA_STEP, arena_fit, device_bytes, fits_device, plan_of, solver_cap
 from planner.budget import LIST_S_PER_JOB, charged_s
@@ -667,6 +667,28 @@ def test_the_heuristic_searches_at_the_slack_whose_uncapped_schedule_is_shortest
     slack = fit_slack(p, 4)
     assert makespan[slack] == min(makespan.values()) and slack > 1.0
     assert makespan[slack] < 0.95 * makespan[1.0]
+
+
+@pytest.mark.slow
+def test_the_heuristic_keeps_at_the_slack_its_decisions_schedule_shortest_at(monkeypatch):
+    """ResNet-50 training b32 on the H200 profile at 30% of its serial peak (the solver's cap for the arena, the
+    fuller search's budget): fit_cap chooses at slack 1.7, its decisions schedule shortest at 2.0, and there
+    keeping layer2.2's conv2 output, which fit_cap offloads, fits; the polished decisions are 4.8% shorter and
+    add no offload."""
+    from planner import decisions
+
+    g = build_training(import_onnx(MODELS / "resnet50.train.onnx", batch=32, dtype="fp16", training=True))
+    profile = Path(__file__).parent.parent / "profiles/h200/resnet50.train.b32.fp16.json"
+    p, cap = build_problem(g, load_model(Profile, profile)), 461_278_250
+    conv2 = next(t for t, u in enumerate(p.tensors) if u.name == "/layer2/layer2.2/conv2/Conv_output_0")
+    polished = best_heuristic(p, cap, 4, 1.7, 298, refined=True)
+    assert polished.decision.get(conv2, "keep") == "keep" and peaks_within(p, polished, cap)
+    monkeypatch.setattr(decisions, "polished", lambda p, cap, streams, out, *args: out.schedule.decision)
+    chosen = best_heuristic(p, cap, 4, 1.7, 298, refined=True)
+    assert chosen.decision[conv2] == "offload"
+    assert cost(p, polished) < 0.96 * cost(p, chosen)
+    offloads = lambda s: {t for t, how in s.decision.items() if how == "offload"}  # noqa: E731
+    assert offloads(polished) <= offloads(chosen)
 
 
 def test_a_copy_margin_lengthens_every_copy_and_leaves_the_problem_alone(googlenet_train_b1):
