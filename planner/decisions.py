@@ -37,13 +37,7 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = FIT_EVALS
     schedule, offloads cheaper to recompute are recomputed (`recompute_over_offload`). Deterministic: a budget of
     schedule evaluations, not of seconds.
     """
-    evals = 0
-
-    def run(decision: dict[int, Decision]) -> Outcome:
-        nonlocal evals
-        evals += 1
-        return list_schedule(p, cap_bytes, streams, decision, slack, work, reserve)
-
+    run, left = budgeted_runs(p, cap_bytes, streams, slack, work, reserve, max_evals)
     closest = run({})
     if closest.fits:
         return closest
@@ -59,7 +53,7 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = FIT_EVALS
         decision: dict[int, Decision] = {t: "recompute" for t in recomputed}
         order = [t for t in made if t not in decision]
         lo, hi = 0, len(order)
-        while lo <= hi and evals < max_evals:
+        while lo <= hi and left():
             mid = (lo + hi) // 2
             out = run({**decision, **{t: "offload" for t in order[:mid]}})
             if out.fits:
@@ -70,10 +64,24 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = FIT_EVALS
                 lo = mid + 1
                 if _shortfall(p, out) < _shortfall(p, closest):
                     closest = out
-    best = improve(p, best or closest, run, lambda: evals < max_evals)
+    best = improve(p, best or closest, run, left)
     if not best.fits:
         return None
     return recompute_over_offload(p, best, run) if refined else best
+
+
+def budgeted_runs(p: Problem, cap_bytes: int, streams: int, slack: float, work: Work | None, reserve: bool,
+                  max_evals: int) -> tuple[Callable[[dict[int, Decision]], Outcome], Callable[[], bool]]:
+    """(run, left): `run` list-schedules decisions at one slack and counts it; `left()` says whether fewer than
+    `max_evals` have run, the budget that keeps the search deterministic."""
+    evals = 0
+
+    def run(decision: dict[int, Decision]) -> Outcome:
+        nonlocal evals
+        evals += 1
+        return list_schedule(p, cap_bytes, streams, decision, slack, work, reserve)
+
+    return run, lambda: evals < max_evals
 
 
 def improve(p: Problem, best: Outcome, run: Callable[[dict[int, Decision]], Outcome], left: Callable[[], bool],
@@ -245,14 +253,8 @@ def polished(p: Problem, cap_bytes: int, streams: int, out: Outcome, max_evals: 
     2.0 keeping it fits, the search starts 4.8% shorter and the plan runs 3.1% faster (docs/BENCHMARKS.md). No
     offloads: the list schedule prices a recomputation in full where the windows hide it, so offloads in its place
     gained here and lost after the windows (GoogLeNet training b32 at 50%: 4022.5 -> 4043.5 us)."""
-    evals = 0
-
-    def run(decision: dict[int, Decision]) -> Outcome:
-        nonlocal evals
-        evals += 1
-        return list_schedule(p, cap_bytes, streams, decision, out.slack, work, out.reserve)
-
-    best = improve(p, run(out.schedule.decision), run, lambda: evals < max_evals, ("keep", "recompute"))
+    run, left = budgeted_runs(p, cap_bytes, streams, out.slack, work, out.reserve, max_evals)
+    best = improve(p, run(out.schedule.decision), run, left, ("keep", "recompute"))
     return best.schedule.decision
 
 
