@@ -12,6 +12,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2  # 2: weight gradients are tensors with lifetimes, no longer resident bytes
 
 
 class PlannerError(Exception):
@@ -63,9 +64,9 @@ def load_model(cls: type[M], path: str | os.PathLike, expect_graph_sha256: str |
     if not isinstance(raw, dict) or raw.get("kind") != kind:
         found = raw.get("kind") if isinstance(raw, dict) else type(raw).__name__
         raise PlannerError(f"{path}: expected a {kind} file, found {found!r}")
-    version = raw.get("format_version")
-    if version != FORMAT_VERSION:
-        raise PlannerError(f"{path}: {kind} format version {version} is not supported (this planner reads version {FORMAT_VERSION})")
+    version, wanted = raw.get("format_version"), cls.model_fields["format_version"].default
+    if version != wanted:
+        raise PlannerError(f"{path}: {kind} format version {version} is not supported (this planner reads version {wanted})")
     try:
         model = cls.model_validate(raw)
     except ValidationError as e:

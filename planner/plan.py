@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from planner.files import FORMAT_VERSION
+from planner.files import PLAN_FORMAT_VERSION
 
 FUSED_RECOMPUTE = "bn_apply:"  # prefix of a recomputation's algorithm when it runs as one fused bn_apply kernel
 
@@ -75,7 +75,7 @@ class Totals(BaseModel):
     makespan_us: float = Field(description="predicted iteration time: the plan's streams and waits, replayed")
     peak_bytes: int = Field(description="predicted peak device memory, resident bytes included")
     mem_cap_bytes: int
-    resident_bytes: int = Field(0, description="weights, state, weight gradients, optimizer state")
+    resident_bytes: int = Field(0, description="weights, state, optimizer state")
     lower_bound_us: float = Field(description="no plan the solve considers is shorter: the largest bound on plans "
                                   "of several streams, or `one_stream` where that is less")
     bounds_us: dict[str, float] = Field(default_factory=dict, description="each lower bound on the iteration time "
@@ -117,7 +117,7 @@ class Totals(BaseModel):
 
 class Plan(BaseModel):
     kind: Literal["plan"] = "plan"
-    format_version: int = FORMAT_VERSION
+    format_version: int = PLAN_FORMAT_VERSION
     graph_sha256: str
     model_name: str
     batch: int

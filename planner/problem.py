@@ -94,7 +94,7 @@ class Problem:
     training: bool
     ops: list[Op]
     tensors: list[TensorUse]
-    resident_bytes: int  # weights, state, weight gradients, optimizer state: on the device throughout
+    resident_bytes: int  # weights, state, optimizer state: on the device throughout
     tick_us: float
     device: DeviceInfo
     estimated: bool

@@ -139,7 +139,7 @@ def assign_offsets(blocks: list[Block]) -> tuple[dict[str, int], int]:
 
 
 def persistent_tensors(graph: Graph) -> list[Tensor]:
-    """Weights, state, weight gradients, optimizer state: placed before the arena, outside its offsets."""
+    """Weights, state, optimizer state: placed before the arena, outside its offsets."""
     return [t for t in graph.tensors.values() if t.alias_of is None and t.persistent]
 
 

@@ -116,7 +116,7 @@ class Execution:
                 cp.cuda.runtime.memcpy(self.host[name].ptr, device.data.ptr, t.bytes, D2H)
 
     def load_parameters(self, parameters: dict[str, np.ndarray]) -> None:
-        """Weights and state from host values; everything persistent without a value (gradients) to zero."""
+        """Weights and state from host values; everything persistent without a value (momentum) to zero."""
         for name, arr in self.persistent.items():
             if name in parameters:
                 arr[...] = gpu().cp.asarray(parameters[name].astype(arr.dtype))

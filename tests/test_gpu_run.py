@@ -66,14 +66,15 @@ def test_capped_training_plan_validates(tmp_path, recompute):
     """Under a cap that forces offloads (and recomputations, BatchNormalization with its saved statistics),
     offloaded tensors come back bit for bit and the iteration still validates. Batch 512: only saved tensors
     of 1 MiB or more may be offloaded or recomputed, and the runner's 2-MiB pages stay a tenth of the
-    activations (with the analytic H100 profile and CP-SAT, 90% of them needs copies)."""
+    activations (with the analytic H100 profile, 80% of them needs copies). The cap steps down by 5% of them
+    until a plan offloads (or recomputes): the heuristic alone (no OR-Tools) may find none a step further."""
     graph, profile, device = _profiled(tmp_path, True, batch=512)
     full = solve_plan(graph, profile, device.memory_bytes, _options(5))
     activations = full.totals.peak_bytes - full.totals.resident_bytes
     plan = None
-    for tenths in range(9, 1, -1):
+    for twentieths in range(18, 3, -1):
         try:
-            plan = solve_plan(graph, profile, full.totals.resident_bytes + activations * tenths // 10
+            plan = solve_plan(graph, profile, full.totals.resident_bytes + activations * twentieths // 20
                               + DRIVER_PAGE_BYTES, _options(10, recompute=recompute))
         except CapTooSmall:
             break

@@ -302,7 +302,7 @@ def test_training_under_a_cap_offloads_or_recomputes_and_checks(googlenet_train_
     g = googlenet_train_b1
     prof = estimate_profile(g, H100)
     resident = solve_plan(g, prof, H100.memory_bytes, Options(time_limit_s=1, workers=2)).totals.resident_bytes
-    cap = resident + int((serial_peak_bytes(g) - resident) * 0.9)
+    cap = resident + int((serial_peak_bytes(g) - resident) * 0.7)  # the serial order's updates hold every gradient
     plan = solve_plan(g, prof, cap, Options(time_limit_s=5, workers=2))
     assert plan.totals.peak_bytes <= cap and plan.totals.mem_cap_bytes == cap
     assert device_bytes(g, plan) <= cap  # the runner's arena (placement gaps included) fits too
@@ -672,20 +672,21 @@ def test_the_heuristic_searches_at_the_slack_whose_uncapped_schedule_is_shortest
 @pytest.mark.slow
 def test_the_heuristic_keeps_at_the_slack_its_decisions_schedule_shortest_at(monkeypatch):
     """ResNet-50 training b32 on the H200 profile at 30% of its serial peak (the solver's cap for the arena, the
-    fuller search's budget): fit_cap chooses at slack 1.7, its decisions schedule shortest at 2.0, and there
-    keeping layer2.2's conv2 output, which fit_cap offloads, fits; the polished decisions are 4.8% shorter and
-    add no offload."""
+    fuller search's budget): fit_cap searching at slack 1.7 offloads layer2.0's block output, which at the
+    slack its decisions schedule shortest at fits kept; the polished decisions are 5.5% shorter and add no
+    offload."""
     from planner import decisions
 
     g = build_training(import_onnx(MODELS / "resnet50.train.onnx", batch=32, dtype="fp16", training=True))
     profile = Path(__file__).parent.parent / "profiles/h200/resnet50.train.b32.fp16.json"
-    p, cap = build_problem(g, load_model(Profile, profile)), 461_278_250
-    conv2 = next(t for t, u in enumerate(p.tensors) if u.name == "/layer2/layer2.2/conv2/Conv_output_0")
+    p = build_problem(g, load_model(Profile, profile))
+    cap = solver_cap(g, p.resident_bytes, int(0.3 * serial_peak_bytes(g)))
+    block = next(t for t, u in enumerate(p.tensors) if u.name == "/layer2/layer2.0/relu_2/Relu_output_0")
     polished = best_heuristic(p, cap, 4, 1.7, 298, refined=True)
-    assert polished.decision.get(conv2, "keep") == "keep" and peaks_within(p, polished, cap)
+    assert polished.decision.get(block, "keep") == "keep" and peaks_within(p, polished, cap)
     monkeypatch.setattr(decisions, "polished", lambda p, cap, streams, out, *args: out.schedule.decision)
     chosen = best_heuristic(p, cap, 4, 1.7, 298, refined=True)
-    assert chosen.decision[conv2] == "offload"
+    assert chosen.decision[block] == "offload"
     assert cost(p, polished) < 0.96 * cost(p, chosen)
     offloads = lambda s: {t for t, how in s.decision.items() if how == "offload"}  # noqa: E731
     assert offloads(polished) <= offloads(chosen)
@@ -708,7 +709,7 @@ def test_copy_interference_prices_offloads_and_the_plan_predicts_it(googlenet_tr
     g = googlenet_train_b1
     prof = estimate_profile(g, H100)
     resident = build_problem(g, prof).resident_bytes
-    cap = resident + int((serial_peak_bytes(g) - resident) * 0.8)
+    cap = resident + int((serial_peak_bytes(g) - resident) * 0.6)
     plans = {}
     for interference in (0.0, 1.0):  # a copy of the device: H100 is shared by every test
         priced = prof.model_copy(update={"device": prof.device.model_copy(update={"copy_interference": interference})})
@@ -862,7 +863,7 @@ def test_a_deterministic_solve_repeats_on_a_machine_slower_than_the_budget_count
     prof = estimate_profile(g, H100)
     resident = build_problem(g, prof).resident_bytes
     cap = resident + int((serial_peak_bytes(g) - resident) * 0.8)
-    options = Options(time_limit_s=8, workers=2, concat="copy", deterministic=True)
+    options = Options(time_limit_s=12, workers=2, concat="copy", deterministic=True)
     plans = [solve_plan(g, prof, cap, options) for _ in range(2)]
     assert "wall clock" not in plans[0].totals.status and "refined window by window" in plans[0].totals.status
     assert plans[0].ops == plans[1].ops and plans[0].tensors == plans[1].tensors
@@ -924,14 +925,14 @@ def test_only_forward_tensors_are_offloaded_or_recomputed(googlenet_train_b1):
 
 def test_the_gpu_tests_small_model_needs_offloads_under_a_cap(tmp_path):
     """The premise of test_gpu_run's capped test, checked without a GPU: at batch 512 the small every-op model
-    has saved tensors big enough to offload, and 90% of its activations (plus the driver's page rounding)
+    has saved tensors big enough to offload, and 80% of its activations (plus the driver's page rounding)
     already needs copies; the plan fits as the runner's arena, in driver pages, and passes the check."""
     from test_gpu_ops import _small_training_model
 
     g = build_training(import_onnx(_small_training_model(tmp_path), batch=512, dtype="fp16", training=True))
     prof = estimate_profile(g, H100)
     full = solve_plan(g, prof, H100.memory_bytes, Options(time_limit_s=5, workers=2))
-    cap = full.totals.resident_bytes + (full.totals.peak_bytes - full.totals.resident_bytes) * 9 // 10
+    cap = full.totals.resident_bytes + (full.totals.peak_bytes - full.totals.resident_bytes) * 8 // 10
     cap += DRIVER_PAGE_BYTES  # the runner's one allocation may end in a part-used page
     plan = solve_plan(g, prof, cap, Options(time_limit_s=10, workers=2, recompute=False))
     assert plan.copies and device_bytes(g, plan) <= cap
