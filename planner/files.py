@@ -66,7 +66,8 @@ def load_model(cls: type[M], path: str | os.PathLike, expect_graph_sha256: str |
         raise PlannerError(f"{path}: expected a {kind} file, found {found!r}")
     version, wanted = raw.get("format_version"), cls.model_fields["format_version"].default
     if version != wanted:
-        raise PlannerError(f"{path}: {kind} format version {version} is not supported (this planner reads version {wanted})")
+        raise PlannerError(f"{path}: {kind} format version {version} is not supported "
+                           f"(this planner reads version {wanted})")
     try:
         model = cls.model_validate(raw)
     except ValidationError as e:

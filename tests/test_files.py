@@ -35,6 +35,20 @@ def test_other_format_version_is_refused(tmp_path, graph):
         load_model(Graph, tmp_path / "g.json")
 
 
+def test_a_plan_of_format_1_is_refused(tmp_path, graph):
+    """Plans of format 1 held weight gradients in the resident bytes; format 2 lists them as tensors with
+    lifetimes, so the runner and the check cannot read the older ones: they are refused, not misread."""
+    save_model(_plan(graph.graph_sha256), tmp_path / "p.json")
+    raw = json.loads((tmp_path / "p.json").read_text())
+    assert raw["format_version"] == 2
+    raw["format_version"] = 1
+    (tmp_path / "p.json").write_text(json.dumps(raw))
+    with pytest.raises(PlannerError, match="plan format version 1 is not supported .this planner reads version 2"):
+        load_model(Plan, tmp_path / "p.json")
+    save_model(graph, tmp_path / "g.json")  # graphs stay at format 1
+    assert load_model(Graph, tmp_path / "g.json").format_version == 1
+
+
 def test_file_for_another_model_is_refused(tmp_path, graph):
     save_model(_plan(graph.graph_sha256), tmp_path / "p.json")
     assert load_model(Plan, tmp_path / "p.json", expect_graph_sha256=graph.graph_sha256)

@@ -31,6 +31,26 @@ def test_googlenet_iteration_structure():
     assert kinds.count("slice") == sum(len(n.inputs) for n in g.nodes if n.kind == "concat")
 
 
+def test_weight_gradients_live_from_their_op_to_their_update():
+    """Only weights, state and momentum are resident; a weight gradient is a tensor from the backward op that
+    writes it to the layer's SGD update that reads it, so the update frees it."""
+    from planner.analytic import estimate_profile
+    from planner.devices import H100
+    from planner.problem import build_problem
+
+    g = build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=1, training=True))
+    p = build_problem(g, estimate_profile(g, H100))
+    resident = {"weight", "state", "optimizer_state", "constant"}
+    assert p.resident_bytes == sum(t.bytes for t in g.tensors.values() if t.alias_of is None and t.role in resident)
+    uses = {u.name: u for u in p.tensors}
+    gradients = [name for name, t in g.tensors.items() if t.role == "weight_gradient"]
+    assert len(gradients) == 173
+    for name in gradients:
+        u = uses[name]
+        assert p.ops[u.producer].phase == "backward" and not u.choosable
+        assert [p.ops[c].kind for c in u.early + u.late] == ["sgd"]
+
+
 def test_conv_data_and_weight_gradients_are_independent_nodes():
     g = build_training(import_onnx(MODELS / "resnet50.train.onnx", batch=2, training=True))
     preds = g.predecessors()
