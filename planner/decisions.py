@@ -249,8 +249,9 @@ def polished(p: Problem, cap_bytes: int, streams: int, out: Outcome, max_evals: 
     """`out`'s decisions improved one tensor at a time, kept or recomputed, where the list schedule at the slack
     they schedule shortest at still fits and gets shorter: fit_cap chose them at another slack, where such a
     change may go over the cap. ResNet-50 training b32 at 30% of its serial peak on the H200 profile: fit_cap
-    chooses at 1.7 and offloads layer2.2's conv2 output, whose copies queue behind the others on both engines; at
-    2.0 keeping it fits, the search starts 4.8% shorter and the plan runs 3.1% faster (docs/BENCHMARKS.md). No
+    searching at 1.7 offloads layer2.0's block output, whose copies queue behind the others on both engines; at
+    the slack its decisions schedule shortest at keeping it fits, 5.5% shorter (the fifty-fifth session's plan,
+    polished so with weight gradients still resident, ran 3.1% faster; docs/BENCHMARKS.md). No
     offloads: the list schedule prices a recomputation in full where the windows hide it, so offloads in its place
     gained here and lost after the windows (GoogLeNet training b32 at 50%: 4022.5 -> 4043.5 us)."""
     run, left = budgeted_runs(p, cap_bytes, streams, out.slack, work, out.reserve, max_evals)
