@@ -54,23 +54,24 @@ def solver_cap(graph: Graph, resident_bytes: int, cap_bytes: int) -> int:
 
 def arena_fit(graph: Graph, p: Problem, cap_bytes: int, start_bytes: int, streams: int, slack: float,
               max_evals: int, fits: Callable[[Plan], bool], work: Work, refined: bool,
-              overflowed: list[tuple[Schedule, int]] | None = None) -> tuple[int, Schedule | None, int]:
+              overflowed: list[tuple[Schedule, int]] | None = None, largest_first: bool = False,
+              steps: int = ARENA_STEPS) -> tuple[int, Schedule | None, int]:
     """(solver cap, schedule, caps tried): the largest solver cap, stepping down from `start_bytes`, whose
     heuristic plan (fit_cap with `max_evals`) the runner can lay out within the user's cap: placement leaves gaps
     (3-5% over the peak on capped training plans, more as offloads multiply), so a plan whose peak meets the cap
     exactly may not fit as an arena. The gap is not monotone in the cap (GoogLeNet training at 50%: a plan 4%
     below fits, 5-14% below do not), hence small steps."""
     room = cap_bytes - p.resident_bytes
-    for k in range(ARENA_STEPS):
+    for k in range(steps):
         target = start_bytes - int(k * ARENA_STEP * room)
-        hint = best_heuristic(p, target, streams, slack, max_evals, work, refined)
+        hint = best_heuristic(p, target, streams, slack, max_evals, work, refined, largest_first)
         if hint is None:
             return cap_bytes, None, k + 1
         if fits(plan_of(graph, p, hint, target, streams)):
             return target, hint, k + 1
         if overflowed is not None:
             overflowed.append((hint, peak_memory(p, hint.decision, timed(p, hint))[0]))
-    return cap_bytes, None, ARENA_STEPS  # no heuristic plan fits: CP-SAT alone, or the computed minimum cap
+    return cap_bytes, None, steps  # no heuristic plan fits: CP-SAT alone, or the computed minimum cap
 
 
 def deep_fit(graph: Graph, p: Problem, cap_bytes: int, target: int, streams: int, hint: Schedule, slack: float,

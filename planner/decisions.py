@@ -24,7 +24,8 @@ FIT_EVALS = 400  # ... and for the plan CP-SAT starts from
 
 
 def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = FIT_EVALS, slack: float = 1.0,
-            work: Work | None = None, refined: bool = False, reserve: bool = False) -> Outcome | None:
+            work: Work | None = None, refined: bool = False, reserve: bool = False,
+            largest_first: bool = False) -> Outcome | None:
     """Keep/offload/recompute decisions that meet the cap with the shortest list schedule (at `slack`) found.
 
     Starts: recompute the cheapest (per byte) that free the tightest cut's excess (`cheapest_cover`), the same
@@ -64,7 +65,7 @@ def fit_cap(p: Problem, cap_bytes: int, streams: int, max_evals: int = FIT_EVALS
                 lo = mid + 1
                 if _shortfall(p, out) < _shortfall(p, closest):
                     closest = out
-    best = improve(p, best or closest, run, left)
+    best = improve(p, best or closest, run, left, largest_first=largest_first)
     if not best.fits:
         return None
     return recompute_over_offload(p, best, run) if refined else best
@@ -85,14 +86,17 @@ def budgeted_runs(p: Problem, cap_bytes: int, streams: int, slack: float, work: 
 
 
 def improve(p: Problem, best: Outcome, run: Callable[[dict[int, Decision]], Outcome], left: Callable[[], bool],
-            ways: tuple[Decision, ...] = ("keep", "offload", "recompute")) -> Outcome:
+            ways: tuple[Decision, ...] = ("keep", "offload", "recompute"), largest_first: bool = False) -> Outcome:
     """`best` improved one decision at a time (to one of `ways`), each change kept when the list schedule `run`
-    gives still fits and gets shorter; where `best` does not fit, changes that bring it closer (`_shortfall`: only
-    tensors on the device where it goes over, and `_chain_swaps`), while `left()` allows more runs."""
+    gives still fits and gets shorter, tensors in the order they are made or, `largest_first`, biggest first (each
+    order ends in its own local optimum, see solve._uncapped); where `best` does not fit, changes that bring it
+    closer (`_shortfall`: only tensors on the device where it goes over, and `_chain_swaps`), while `left()` allows
+    more runs."""
+    in_order = sorted(range(len(p.tensors)), key=lambda t: (-p.tensors[t].bytes, t)) if largest_first else None
     improved = True
     while improved and left():
         improved = False
-        for t in range(len(p.tensors)) if best.fits else _resident_over(p, best):
+        for t in (in_order or range(len(p.tensors))) if best.fits else _resident_over(p, best):
             tu = p.tensors[t]
             for how in ways if tu.choosable else ():
                 if how == best.schedule.decision.get(t, "keep") or not left():
@@ -193,7 +197,7 @@ def fit_slack(p: Problem, streams: int, work: Work | None = None) -> float:
 
 
 def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float, max_evals: int = FIT_EVALS,
-                   work: Work | None = None, refined: bool = False) -> Schedule | None:
+                   work: Work | None = None, refined: bool = False, largest_first: bool = False) -> Schedule | None:
     """The keep/offload/recompute decisions fit_cap finds at `slack`, once for each of COPY_MARGINS,
     list-scheduled at each of LIST_SLACKS: of those that fit the cap (checked again on the schedule's own
     residencies), the dearest-copy one within COPY_TOLERANCE of the shortest, or None. Why the margin: copies run
@@ -210,7 +214,8 @@ def best_heuristic(p: Problem, cap_bytes: int, streams: int, slack: float, max_e
     for margin, reserve in [(m, False) for m in COPY_MARGINS] + [(1.0, True)]:
         if reserve and found:
             break
-        fitted = fit_cap(with_copy_margin(p, margin), cap_bytes, streams, max_evals, slack, work, refined, reserve)
+        fitted = fit_cap(with_copy_margin(p, margin), cap_bytes, streams, max_evals, slack, work, refined, reserve,
+                         largest_first)
         if fitted is None:
             continue
         out = shortest_at_slacks(p, cap_bytes, streams, fitted.schedule.decision, work, fitted.reserve)
