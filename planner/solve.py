@@ -302,8 +302,8 @@ def _uncapped(p: Problem, streams: int, slack: float, work: Work) -> float:
     """The list schedule's cost without a cap. Where the cap costs more than COSTLY_CAP of it, the decisions
     (keep, offload, recompute) are most of the plan, and their local search, one tensor at a time, ends where its
     order leads it: ResNet-50 training b32 at 30% of its serial peak on the H200 profile, 9958 us as the tensors
-    are made, 8881 largest first, and GoogLeNet at 35% 5912 against 4988; elsewhere the other order wins. Such a
-    plan takes the better of the two (docs/BENCHMARKS.md, fifty-seventh session)."""
+    are made, 8881 largest first; elsewhere the first order wins. Such a plan takes the better of the two
+    (docs/BENCHMARKS.md, fifty-seventh session)."""
     return cost(p, list_schedule(p, float("inf"), streams, {}, slack, work).schedule)
 
 
