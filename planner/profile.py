@@ -65,6 +65,9 @@ class OpProfile(BaseModel):
     timing: Literal["graph", "marginal"] = Field("graph", description="how time_us was measured: `graph`, a CUDA "
                                                  "graph of R launches over R (its launch's fixed cost included); "
                                                  "`marginal`, graphs of 2R and R launches, their difference over R")
+    implementations: list[str] = Field(default_factory=list, description="the implementations beyond cuDNN's "
+                                       "the runner offered for this op when it was measured (e.g. `stem`): a runner "
+                                       "that offers one not listed measures the op again")
 
 
 class DeviceInfo(BaseModel):

@@ -43,7 +43,8 @@ def profile_on_gpu(graph: Graph, store_dir: Path, force: bool = False, counters:
                 bar.update(task, advance=1, description=f"{graph.model_name}: {op.kind}")
                 yield op
 
-        profile, fresh = profile_graph(graph, store, measure, force=force)
+        profile, fresh = profile_graph(graph, store, measure, force=force,
+                                       offered=lambda node: profiler.implementations(graph, node))
     if counters:
         profile = add_counters(graph, store, profile, profiler, console or Console())
     return profile, fresh

@@ -145,16 +145,18 @@ class ProfileStore:
         self.put_many(profile.ops.values())
         return len(profile.ops)
 
-    def missing(self, graph: Graph) -> list[str]:
+    def missing(self, graph: Graph, offered: Callable[[Node], list[str]] | None = None) -> list[str]:
         """Signatures of the graph's ops not stored yet (views need no measurement), in graph order. In a measured
         store, an entry that fell back to an estimate counts as missing (a newer runner may measure it), and so
-        does one timed the older way (`OpProfile.timing`): a profile's ops are all timed alike."""
+        does one timed the older way (`OpProfile.timing`): a profile's ops are all timed alike. `offered(node)`:
+        the implementations the runner has for a node; an entry measured without one of them is missing too."""
         stored = self.entries()
         out: dict[str, None] = {}
         for n in profiled_nodes(graph):
             entry = stored.get(n.signature)
             if not KINDS[n.kind].view and (entry is None or (not self.estimated and (
-                    entry.estimated or entry.timing != TIMING))):
+                    entry.estimated or entry.timing != TIMING
+                    or (offered is not None and not set(offered(n)) <= set(entry.implementations))))):
                 out.setdefault(n.signature)
         return list(out)
 
@@ -198,8 +200,9 @@ def profiled_nodes(graph: Graph) -> list[Node]:
 
 
 def profile_graph(graph: Graph, store: ProfileStore, measure: Callable[[list[Node]], Iterable[OpProfile]],
-                  force: bool = False) -> tuple[Profile, int]:
-    """Measure (or estimate) what the store lacks, or every op with force, and assemble the graph's profile.
+                  force: bool = False, offered: Callable[[Node], list[str]] | None = None) -> tuple[Profile, int]:
+    """Measure (or estimate) what the store lacks (ProfileStore.missing), or every op with force, and assemble the
+    graph's profile.
 
     `measure` gets one node per signature to do and yields OpProfiles; they are saved in batches while it runs,
     so an interrupted run keeps what it finished. Returns the profile and how many ops were measured now.
@@ -208,7 +211,7 @@ def profile_graph(graph: Graph, store: ProfileStore, measure: Callable[[list[Nod
     if force:
         todo = list(dict.fromkeys(n.signature for n in nodes if not KINDS[n.kind].view))
     else:
-        todo = store.missing(graph)
+        todo = store.missing(graph, offered)
     first = {}
     for n in nodes:
         first.setdefault(n.signature, n)

@@ -28,7 +28,7 @@ from planner.reference import KERNELS as REFERENCE
 from runner.cupti_trace import record_kernels
 from runner.gpu import gpu
 from runner.graphs import capture
-from runner.ops import build_op, host_inputs, in_place, node_specs
+from runner.ops import build_op, host_inputs, implementations, in_place, node_specs
 from runner.ops.common import device_empty, to_device
 
 LAUNCHES_PER_GRAPH = 10
@@ -180,7 +180,8 @@ def measure_node(graph: Graph, node: Node, device: DeviceInfo, handle, stream, r
     if not candidates:
         return _estimated(graph, node, device, unsupported)
     return OpProfile(signature=node.signature, kind=node.kind, describe=describe, timing=TIMING,
-                     candidates=prune_candidates(candidates), measured_count=len(candidates), unsupported=unsupported)
+                     candidates=prune_candidates(candidates), measured_count=len(candidates), unsupported=unsupported,
+                     implementations=implementations(graph, node))
 
 
 def _estimated(graph: Graph, node: Node, device: DeviceInfo, unsupported: list[Unsupported]) -> OpProfile:

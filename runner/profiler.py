@@ -3,9 +3,10 @@
 from planner.devices import BUILTIN
 from runner.counters import read_counters
 from runner.measure import measure_ops
+from runner.ops import implementations
 from runner.probe import probe_device as _probe
 
-__all__ = ["measure_ops", "probe_device", "read_counters"]
+__all__ = ["implementations", "measure_ops", "probe_device", "read_counters"]
 
 
 def probe_device():

@@ -227,3 +227,25 @@ def test_prune_keeps_pareto_front_and_fastest():
              c("dominated", 40, 1000, 1.0), c("slow_dominated", 50, 500, 1.0), c("second", 11, 2000, 1.0)]
     kept = [k.name for k in prune_candidates(cands, keep_fastest=2)]
     assert kept == ["fast_big", "second", "lean", "narrow"]
+
+
+def test_an_entry_measured_before_an_implementation_existed_is_measured_again(tmp_path):
+    """The stem kernels (runner/ops/stem.py) take GoogLeNet's first conv and its weight gradient in fp16: entries
+    stored without them are measured again, once; the rest of the store stays as it is."""
+    from planner.cli import DType, load_graph
+    from runner.ops import implementations
+
+    graph = load_graph(MODELS / "googlenet.train.onnx", 2, DType("fp16"), True)
+    offered = lambda node: implementations(graph, node)  # noqa: E731
+    stem = {n.signature for n in graph.nodes if offered(n)}
+    assert {n.kind for n in graph.nodes if n.signature in stem} == {"conv", "conv_bwd_filter"}
+    store = ProfileStore(tmp_path, H100, estimated=True)
+    profile_graph(graph, store, Counter(graph))
+    measured = ProfileStore(tmp_path / "m", MEASURED)
+    measured.put_many(op.model_copy(update={"estimated": False, "timing": TIMING})
+                      for op in store.assemble(graph).ops.values() if op.kind != "reshape")
+    assert measured.missing(graph) == [] and set(measured.missing(graph, offered)) == stem
+    counter = Counter(graph)
+    profile_graph(graph, measured, lambda nodes: (op.model_copy(update={
+        "estimated": False, "timing": TIMING, "implementations": ["stem"]}) for op in counter(nodes)), offered=offered)
+    assert set(counter.seen) == stem and measured.missing(graph, offered) == []

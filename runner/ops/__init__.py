@@ -28,7 +28,7 @@ assert set(OPS) == {k for k, v in KINDS.items() if not v.view}, set(OPS) ^ {k fo
 # inputs that must be positive: a variance and an inverse standard deviation
 POSITIVE_INPUTS = {("batchnorm", 4), ("batchnorm_bwd", 4), ("bn_apply", 4)}
 
-__all__ = ["OPS", "TensorSpec", "build_op", "host_inputs", "in_place", "node_specs", "specs_of"]
+__all__ = ["OPS", "TensorSpec", "build_op", "host_inputs", "implementations", "in_place", "node_specs", "specs_of"]
 
 
 def specs_of(graph, names: list[str]) -> list[TensorSpec]:
@@ -51,6 +51,12 @@ def node_specs(graph, node) -> tuple[list[TensorSpec], list[TensorSpec]]:
         ins = [replace(s, row_channels=pitch) if i in sliced_ins else s for i, s in enumerate(ins)]
         outs = [replace(s, row_channels=pitch) if i in sliced_outs else s for i, s in enumerate(outs)]
     return ins, outs
+
+
+def implementations(graph, node) -> list[str]:
+    """The implementations beyond cuDNN's (and each kind's own kernels) the registry offers for a node: a profile
+    entry measured before one of them existed is measured again (OpProfile.implementations)."""
+    return conv.offered(node.kind, node.attrs, *node_specs(graph, node))
 
 
 def build_op(graph, node, handle, algorithm: str | None = None):

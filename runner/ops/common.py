@@ -246,15 +246,18 @@ class SingleKernelOp(ABC):
 
 
 class Alternatives:
-    """Every implementation of one node that builds, their candidates listed one after another."""
+    """Every implementation of one node that builds, their candidates listed one after another. Candidate names
+    start with their implementation's name and a colon, except the `bare` implementation's (cuDNN's plan names
+    predate the others)."""
 
-    def __init__(self, builders: dict):
+    def __init__(self, builders: dict, bare: str | None = None):
         self.candidates: list[tuple[str, int]] = []
         self.unsupported: list[tuple[str, str]] = []
         self._route = []
         wanted = WANTED_ALGORITHM.get()
+        named = {name for name in builders if wanted is not None and (wanted == name or wanted.startswith(name + ":"))}
         for name, build in builders.items():
-            if wanted is not None and wanted != name and not wanted.startswith(name + ":"):
+            if wanted is not None and name not in named and (name != bare or named):
                 continue
             try:
                 impl = build()

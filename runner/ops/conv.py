@@ -13,6 +13,8 @@ from functools import partial
 
 from runner.gpu import cudnn_dtype, gpu
 from runner.ops.common import THREADS, WANTED_ALGORITHM, Alternatives, blocks_for, check_index_range, i32, kernel
+from runner.ops.stem import StemConv
+from runner.ops.stem import applies as stem_applies
 
 CONV_KINDS = ("conv", "conv_bwd_data", "conv_bwd_filter")
 
@@ -148,20 +150,25 @@ def conv_epilogue(y, bias, z, channels: int, relu: bool, dtype: str) -> None:
                                       i32(channels), i32(pitch), i32(bias is not None), i32(z is not None), i32(relu)))
 
 
+def conv_operands(kind: str, ins, outs):
+    """(x, w, y) specs of a conv-family node: [x, w, b?] -> [y], [dy, w] -> [dx], [x, dy] -> [dw]."""
+    if kind == "conv":
+        return ins[0], ins[1], outs[0]
+    if kind == "conv_bwd_data":
+        return outs[0], ins[1], ins[0]
+    return ins[0], outs[0], ins[1]
+
+
 class ConvNode:
     """A conv-family graph node in the registry's interface: candidates (plan name, workspace bytes); inputs
-    and outputs in the node's order ([x, w, b?] -> [y], [dy, w] -> [dx], [x, dy] -> [dw]). A conv bias is added
-    by an epilogue kernel after the cuDNN plan (inference graphs fuse it: conv_fused)."""
+    and outputs in the node's order (conv_operands). A conv bias is added by an epilogue kernel after the conv
+    (inference graphs fuse it: conv_fused). `stem`: the stem kernels (runner/ops/stem.py) instead of cuDNN."""
 
-    def __init__(self, kind: str, attrs: dict, ins, outs, handle):
+    def __init__(self, kind: str, attrs: dict, ins, outs, handle, stem: bool = False):
         check_index_range(*ins, *outs)
-        if kind == "conv":
-            x, w, y = ins[0], ins[1], outs[0]
-        elif kind == "conv_bwd_data":
-            x, w, y = outs[0], ins[1], ins[0]
-        else:
-            x, w, y = ins[0], outs[0], ins[1]
-        self.op = ConvOp(kind, attrs, list(x.shape), list(w.shape), list(y.shape), y.dtype, handle)
+        x, w, y = conv_operands(kind, ins, outs)
+        dims = list(x.shape), list(w.shape), list(y.shape)
+        self.op = StemConv(kind, attrs, *dims, y.dtype) if stem else ConvOp(kind, attrs, *dims, y.dtype, handle)
         self.candidates = [(name, workspace) for _, name, workspace in self.op.candidates]
         self.unsupported = self.op.unsupported
         self.bias = kind == "conv" and len(ins) > 2
@@ -213,4 +220,21 @@ def _conv_fused(attrs, ins, outs, handle):
     return Alternatives({"fused": fused, "unfused": lambda: FusedConv(False, attrs, ins, outs, handle, fused_plans)})
 
 
-OPS = {kind: partial(ConvNode, kind) for kind in CONV_KINDS} | {"conv_fused": _conv_fused}
+def offered(kind: str, attrs: dict, ins, outs) -> list[str]:
+    """["stem"] where the stem kernels take a node (runner/ops/stem.py), else []."""
+    if kind not in CONV_KINDS:
+        return []
+    x, w, y = conv_operands(kind, ins, outs)
+    dims = list(x.shape), list(w.shape), list(y.shape)
+    return ["stem"] if y.row_channels is None and stem_applies(kind, attrs, *dims, y.dtype) else []
+
+
+def _conv_node(kind: str, attrs, ins, outs, handle):
+    """cuDNN's engines (their plan names bare), and the stem kernels where they take the node."""
+    builders = {"cudnn": lambda: ConvNode(kind, attrs, ins, outs, handle)}
+    if offered(kind, attrs, ins, outs):
+        builders["stem"] = lambda: ConvNode(kind, attrs, ins, outs, handle, stem=True)
+    return Alternatives(builders, bare="cudnn")
+
+
+OPS = {kind: partial(_conv_node, kind) for kind in CONV_KINDS} | {"conv_fused": _conv_fused}

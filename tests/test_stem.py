@@ -1,0 +1,47 @@
+"""Which convolutions the stem kernels take (runner/ops/stem.py), and the shared-memory layout they rely on:
+checked without a GPU (tests/test_gpu_ops.py runs the kernels against the reference)."""
+
+import pytest
+
+from runner.ops.stem import SHARED_LIMIT_BYTES, applies, stem_shape
+
+S2P3 = {"strides": [2, 2], "pads": [3, 3, 3, 3], "dilations": [1, 1], "groups": 1}
+S2P0 = {"strides": [2, 2], "pads": [0, 0, 0, 0], "dilations": [1, 1], "groups": 1}
+S1P1 = {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1], "groups": 1}
+STEMS = [  # (attrs, x, w, y): GoogLeNet's and ResNet-50's stem, Inception v3's, 8 channels at stride 1, batch 1
+    (S2P3, [32, 3, 224, 224], [64, 3, 7, 7], [32, 64, 112, 112]),
+    (S2P0, [32, 3, 299, 299], [32, 3, 3, 3], [32, 32, 149, 149]),
+    (S1P1, [2, 8, 9, 7], [16, 8, 3, 3], [2, 16, 9, 7]),
+    (S2P3, [1, 3, 224, 224], [64, 3, 7, 7], [1, 64, 112, 112]),
+]
+
+
+@pytest.mark.parametrize("attrs,x,w,y", STEMS)
+def test_stems_are_taken_forward_and_backward_in_fp16_only(attrs, x, w, y):
+    for kind in ("conv", "conv_bwd_filter"):
+        assert applies(kind, attrs, x, w, y, "fp16") and not applies(kind, attrs, x, w, y, "fp32")
+    assert not applies("conv_bwd_data", attrs, x, w, y, "fp16")
+
+
+@pytest.mark.parametrize("change", [
+    {"x": [2, 16, 9, 7], "w": [16, 16, 3, 3]},  # 16 input channels: cuDNN's own kernels are fast there
+    {"w": [24, 8, 3, 3], "y": [2, 24, 9, 7]},  # output channels not a multiple of 16
+    {"attrs": {**S1P1, "dilations": [2, 2]}},
+    {"attrs": {**S1P1, "groups": 2}},
+])
+def test_other_convs_are_left_to_cudnn(change):
+    case = {"attrs": S1P1, "x": [2, 8, 9, 7], "w": [16, 8, 3, 3], "y": [2, 16, 9, 7], **change}
+    assert not applies("conv", case["attrs"], case["x"], case["w"], case["y"], "fp16")
+
+
+@pytest.mark.parametrize("attrs,x,w,y", STEMS)
+def test_patch_rows_are_ldmatrix_operands_inside_the_rows_held(attrs, x, w, y):
+    """Every 8x8 matrix row ldmatrix reads starts on a 16-byte boundary, the last 16-pixel chunk's patches stay
+    inside the input columns held, and both kernels fit the shared memory a block gets without opting in."""
+    shape = stem_shape(attrs, x, w, y)
+    m = shape.layout
+    assert m["LDM"] % 8 == 0 and m["XS_ROW"] % 8 == 0 and m["KS"] % 8 == 0 and m["JP"] % 16 == 0
+    assert m["SW"] * (m["QP"] - 1) + m["JP"] // m["CP"] <= m["WSM"]
+    assert m["CP"] >= shape.c and m["JP"] >= shape.s * m["CP"] and m["QP"] >= shape.q
+    assert m["GR"] * m["RPW"] >= m["RT"] and m["GR"] * m["WC"] <= m["WARPS"]
+    assert max(shape.shared_bytes("conv"), shape.shared_bytes("conv_bwd_filter")) <= SHARED_LIMIT_BYTES
