@@ -144,6 +144,7 @@ def profile(
         from planner.profile_gpu import profile_on_gpu
 
         result, fresh = profile_on_gpu(graph, store, force=force, counters=counters, console=console)
+        console.print(f"{fresh} op signatures measured now, {len(result.ops) - fresh} taken from {store}")
     if out is not None:
         save_model(result, out)
     print_summary(result, console)
