@@ -54,8 +54,9 @@ def node_specs(graph, node) -> tuple[list[TensorSpec], list[TensorSpec]]:
 
 
 def implementations(graph, node) -> list[str]:
-    """The implementations beyond cuDNN's (and each kind's own kernels) the registry offers for a node: a profile
-    entry measured before one of them existed is measured again (OpProfile.implementations)."""
+    """The implementations the registry offers a node only where they apply (today the stem kernels, beside
+    cuDNN's engines): a profile entry measured before one of them existed is measured again
+    (OpProfile.implementations)."""
     return conv.offered(node.kind, node.attrs, *node_specs(graph, node))
 
 
