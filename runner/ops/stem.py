@@ -307,8 +307,9 @@ class StemShape:
             raise ValueError(f"{accumulators} accumulators a thread")
         if m["BATCH"] > MAX_PIXELS_A_THREAD or (kind == "conv_bwd_filter" and m["DY_BATCH"] > MAX_DY_LOADS_A_THREAD):
             raise ValueError(f"{m['BATCH']} input pixels and {m['DY_BATCH']} 16-byte pieces of dy a thread")
-        if self.shared_bytes(kind) > SHARED_LIMIT_BYTES:
-            raise ValueError(f"{self.shared_bytes(kind)} bytes of shared memory")
+        shared = self.shared_bytes(kind)
+        if shared > SHARED_LIMIT_BYTES:
+            raise ValueError(f"{shared} bytes of shared memory")
 
 
 def stem_shape(attrs: dict, x_dims, w_dims, y_dims) -> StemShape:
@@ -340,6 +341,7 @@ class StemConv:
             grids.setdefault(min(units, per_sm * sms), per_sm)
         self.grids = list(grids)
         m = self.shape.layout
+        self.units, self.phases, self.shared = units, m["WC"], self.shape.shared_bytes(kind)
         self.partial_floats = m["WC"] * m["K"] * m["RT"] * 16  # per CTA
         self.candidates = [(i, f"stem:{per_sm}x", self.workspace_bytes(i)) for i, per_sm in enumerate(grids.values())]
         self.unsupported: list[tuple[str, str]] = []
@@ -352,13 +354,11 @@ class StemConv:
         return 0 if self.kind == "conv" else 4 * self.grids[i] * self.partial_floats
 
     def launch(self, i: int, a, b, out, workspace) -> None:
-        grid, units = self.grids[i], self.shape.n * self.shape.p
-        shared = self.shape.shared_bytes(self.kind)
+        grid = self.grids[i]
         if self.kind == "conv":
-            self.kernels[0]((grid,), (THREADS,), (a, b, out, i32(units)), shared_mem=shared)
+            self.kernels[0]((grid,), (THREADS,), (a, b, out, i32(self.units)), shared_mem=self.shared)
             return
         main, total = self.kernels
-        main((grid,), (THREADS,), (a, b, workspace, i32(units)), shared_mem=shared)
-        parts = grid * self.shape.layout["WC"]
-        total((math.ceil(self.partial_floats / self.shape.layout["WC"] / 32),), (THREADS,),
-              (workspace, out, i32(parts)))
+        main((grid,), (THREADS,), (a, b, workspace, i32(self.units)), shared_mem=self.shared)
+        total((math.ceil(self.partial_floats / self.phases / 32),), (THREADS,),
+              (workspace, out, i32(grid * self.phases)))
