@@ -66,24 +66,49 @@ def test_capped_training_plan_validates(tmp_path, recompute):
     """Under a cap that forces offloads (and recomputations, BatchNormalization with its saved statistics),
     offloaded tensors come back bit for bit and the iteration still validates. Batch 512: only saved tensors
     of 1 MiB or more may be offloaded or recomputed, and the runner's 2-MiB pages stay a tenth of the
-    activations (with the analytic H100 profile, 80% of them needs copies). The cap steps down by 5% of them
-    until a plan offloads (or recomputes): the heuristic alone (no OR-Tools) may find none a step further."""
+    activations (with the analytic H100 profile, 80% of them needs copies)."""
     graph, profile, device = _profiled(tmp_path, True, batch=512)
-    full = solve_plan(graph, profile, device.memory_bytes, _options(5))
-    activations = full.totals.peak_bytes - full.totals.resident_bytes
-    plan = None
-    for twentieths in range(18, 3, -1):
-        try:
-            plan = solve_plan(graph, profile, full.totals.resident_bytes + activations * twentieths // 20
-                              + DRIVER_PAGE_BYTES, _options(10, recompute=recompute))
-        except CapTooSmall:
-            break
-        if plan.copies or any(op.recompute_of for op in plan.ops):
-            break
-    if plan is None or not (plan.copies or any(op.recompute_of for op in plan.ops)):
-        pytest.skip("no feasible cap from 90% down to 20% of the activations needed an offload or a recomputation")
+    plan = _capped_plan(graph, profile, device, recompute)
+    if plan is None:
+        pytest.skip("no feasible cap from 90% of the activations down needed an offload or a recomputation")
     report = _run_and_check(graph, plan, device)
     assert any(c.what == "round_trip" for c in report.checks) == bool(plan.copies)
+
+
+def _capped_plan(graph, profile, device, recompute: bool):
+    """The first plan that offloads (or recomputes) as the cap steps down by 5% of the full plan's activations,
+    then halves the step between the lowest cap met without and the highest too small: the uncapped plan
+    spends memory on speed, so its activations overstate what the heuristic (no OR-Tools) needs, and the
+    caps that force copies may lie in one step."""
+    full = solve_plan(graph, profile, device.memory_bytes, _options(5))
+    activations = full.totals.peak_bytes - full.totals.resident_bytes
+
+    def attempt(cap_bytes: int):
+        try:
+            return solve_plan(graph, profile, cap_bytes, _options(10, recompute=recompute))
+        except CapTooSmall:
+            return None
+
+    met = too_small = None
+    for twentieths in range(18, 3, -1):
+        cap = full.totals.resident_bytes + activations * twentieths // 20 + DRIVER_PAGE_BYTES
+        plan = attempt(cap)
+        if plan is None:
+            too_small = cap
+            break
+        if plan.copies or any(op.recompute_of for op in plan.ops):
+            return plan
+        met = cap
+    for _ in range(6 if met and too_small else 0):
+        cap = (met + too_small) // 2
+        plan = attempt(cap)
+        if plan is None:
+            too_small = cap
+        elif plan.copies or any(op.recompute_of for op in plan.ops):
+            return plan
+        else:
+            met = cap
+    return None
 
 
 def _every_path_plan(graph, profile, device, deep: bool = False):
