@@ -66,8 +66,9 @@ CONV_S2 = {"strides": [2, 2], "pads": [0, 1, 1, 0], "dilations": [1, 1], "groups
 STEM7 = {"strides": [2, 2], "pads": [3, 3, 3, 3], "dilations": [1, 1], "groups": 1}
 STEM3 = {"strides": [2, 2], "pads": [0, 0, 0, 0], "dilations": [1, 1], "groups": 1}
 # convs the stem kernels take in fp16 (runner/ops/stem.py): 7x7/s2 and 3x3/s2 on 3 channels, 8 channels at
-# stride 1, asymmetric pads; widths that leave a partial 16-pixel chunk. The last pair stays out of CASES: one of
-# cuDNN's fp32 weight-gradient engines returns a wrong result there (the profiler drops such candidates).
+# stride 1, inference's conv_fused with and without bias and ReLU, asymmetric pads; widths that leave a partial
+# 16-pixel chunk. The last pair stays out of CASES: one of cuDNN's fp32 weight-gradient engines returns a wrong
+# result there (the profiler drops such candidates).
 STEM_CASES = [
     ("conv", STEM7, [(2, 3, 20, 18), (16, 3, 7, 7)]),
     ("conv_bwd_filter", {**STEM7, "w_shape": [16, 3, 7, 7]}, [(2, 3, 20, 18), (2, 16, 10, 9)]),
@@ -75,6 +76,9 @@ STEM_CASES = [
     ("conv_bwd_filter", {**STEM3, "w_shape": [32, 3, 3, 3]}, [(2, 3, 17, 37), (2, 32, 8, 18)]),
     ("conv", CONV, [(2, 8, 9, 7), (16, 8, 3, 3)]),
     ("conv_bwd_filter", {**CONV, "w_shape": [16, 8, 3, 3]}, [(2, 8, 9, 7), (2, 16, 9, 7)]),
+    ("conv_fused", {**STEM7, "residual": False, "relu": True}, [(2, 3, 20, 18), (16, 3, 7, 7), (16,)]),
+    ("conv_fused", {**STEM3, "residual": False, "relu": True}, [(2, 3, 17, 37), (32, 3, 3, 3)]),
+    ("conv_fused", {**CONV, "residual": False, "relu": False}, [(2, 8, 9, 7), (16, 8, 3, 3), (16,)]),
     ("conv", CONV_S2, [(3, 3, 9, 7), (16, 3, 3, 3)]),
     ("conv_bwd_filter", {**CONV_S2, "w_shape": [16, 3, 3, 3]}, [(3, 3, 9, 7), (3, 16, 4, 3)]),
 ]
@@ -291,8 +295,8 @@ def test_max_pooling_ties_and_nans_follow_the_reference(gpu_ctx, dtype, channels
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,attrs,shapes", STEM_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(STEM_CASES)])
 def test_few_channel_convs_offer_the_stem_kernels(gpu_ctx, kind, attrs, shapes):
-    """In fp16 a conv or weight gradient with at most 8 input channels offers the stem kernels beside cuDNN's
-    engines, and they match the reference (cuDNN's are checked in test_op_matches_reference); in fp32 it offers
+    """In fp16 a conv, conv_fused or weight gradient with at most 8 input channels offers the stem kernels beside
+    cuDNN's engines, and they match the reference (cuDNN's are checked in test_op_matches_reference); in fp32 it offers
     cuDNN's alone."""
     from runner.ops import OPS
     from runner.ops.common import spec

@@ -3,6 +3,8 @@ checked without a GPU (tests/test_gpu_ops.py runs the kernels against the refere
 
 import pytest
 
+from runner.ops.common import spec
+from runner.ops.conv import offered
 from runner.ops.stem import SHARED_LIMIT_BYTES, applies, stem_shape
 
 S2P3 = {"strides": [2, 2], "pads": [3, 3, 3, 3], "dilations": [1, 1], "groups": 1}
@@ -45,3 +47,15 @@ def test_patch_rows_are_ldmatrix_operands_inside_the_rows_held(attrs, x, w, y):
     assert m["CP"] >= shape.c and m["JP"] >= shape.s * m["CP"] and m["QP"] >= shape.q
     assert m["GR"] * m["RPW"] >= m["RT"] and m["GR"] * m["WC"] <= m["WARPS"]
     assert max(shape.shared_bytes("conv"), shape.shared_bytes("conv_bwd_filter")) <= SHARED_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("attrs,x,w,y", STEMS)
+def test_inference_stems_fold_bias_and_relu_but_not_a_residual(attrs, x, w, y):
+    """conv_fused [x, w, b] -> [y] takes the stem kernels with its bias and ReLU; with a residual, or writing a
+    channel slice of a concat, it stays with cuDNN's fused and unfused candidates."""
+    ins, out = [spec(x, "fp16"), spec(w, "fp16"), spec([w[0]], "fp16")], spec(y, "fp16")
+    fused = {**attrs, "relu": True, "residual": False}
+    assert offered("conv_fused", fused, ins, [out]) == ["stem"]
+    assert offered("conv_fused", {**fused, "residual": True}, [*ins, spec(y, "fp16")], [out]) == []
+    assert offered("conv_fused", fused, ins, [spec(y, "fp16", row_channels=2 * y[1])]) == []
+    assert offered("conv_fused", fused, [spec(s, "fp32") for s in (x, w, [w[0]])], [spec(y, "fp32")]) == []

@@ -5,6 +5,9 @@ dims, as cuDNN's fastest engines want.
 conv_fused (conv + bias [+ residual] [+ ReLU]) has two kinds of candidates: `fused:<plan>`, one cuDNN graph
 whose engines apply the epilogue inside the conv kernel, and `unfused:<plan>`, any conv plan followed by one
 epilogue kernel (precompiled conv engines outnumber fused ones, and one of them may still win).
+
+Where few input channels make cuDNN slow (a network's first conv), `stem:<CTAs per SM>x` candidates run the
+stem kernels of runner/ops/stem.py instead, an inference conv's bias and ReLU folded into them.
 """
 
 from __future__ import annotations
@@ -151,8 +154,8 @@ def conv_epilogue(y, bias, z, channels: int, relu: bool, dtype: str) -> None:
 
 
 def conv_operands(kind: str, ins, outs):
-    """(x, w, y) specs of a conv-family node: [x, w, b?] -> [y], [dy, w] -> [dx], [x, dy] -> [dw]."""
-    if kind == "conv":
+    """(x, w, y) specs of a conv-family node: [x, w, b?, z?] -> [y], [dy, w] -> [dx], [x, dy] -> [dw]."""
+    if kind in ("conv", "conv_fused"):
         return ins[0], ins[1], outs[0]
     if kind == "conv_bwd_data":
         return outs[0], ins[1], ins[0]
@@ -162,13 +165,12 @@ def conv_operands(kind: str, ins, outs):
 class ConvNode:
     """A conv-family graph node in the registry's interface: candidates (plan name, workspace bytes); inputs
     and outputs in the node's order (conv_operands). A conv bias is added by an epilogue kernel after the conv
-    (inference graphs fuse it: conv_fused). `stem`: the stem kernels (runner/ops/stem.py) instead of cuDNN."""
+    (inference graphs fuse it: conv_fused)."""
 
-    def __init__(self, kind: str, attrs: dict, ins, outs, handle, stem: bool = False):
+    def __init__(self, kind: str, attrs: dict, ins, outs, handle):
         check_index_range(*ins, *outs)
         x, w, y = conv_operands(kind, ins, outs)
-        dims = list(x.shape), list(w.shape), list(y.shape)
-        self.op = StemConv(kind, attrs, *dims, y.dtype) if stem else ConvOp(kind, attrs, *dims, y.dtype, handle)
+        self.op = ConvOp(kind, attrs, list(x.shape), list(w.shape), list(y.shape), y.dtype, handle)
         self.candidates = [(name, workspace) for _, name, workspace in self.op.candidates]
         self.unsupported = self.op.unsupported
         self.bias = kind == "conv" and len(ins) > 2
@@ -208,7 +210,37 @@ class FusedConv:
                       outputs[0].shape[1], self.relu, self.op.dtype)
 
 
+class StemNode:
+    """conv, conv_fused or conv_bwd_filter by the stem kernels (runner/ops/stem.py), which add a bias and apply
+    ReLU as they write y (conv_fused with a residual is left to cuDNN)."""
+
+    def __init__(self, kind: str, attrs: dict, ins, outs):
+        check_index_range(*ins, *outs)
+        x, w, y = conv_operands(kind, ins, outs)
+        forward = kind in ("conv", "conv_fused")
+        self.bias = forward and len(ins) > 2
+        self.op = StemConv("conv" if forward else kind, attrs, list(x.shape), list(w.shape), list(y.shape), y.dtype,
+                           bias=self.bias, relu=bool(attrs.get("relu")))
+        self.candidates = [(name, workspace) for _, name, workspace in self.op.candidates]
+        self.unsupported = self.op.unsupported
+
+    def launch(self, index: int, inputs: list, outputs: list, workspace) -> None:
+        self.op.launch(self.op.candidates[index][0], inputs[0], inputs[1], outputs[0], workspace,
+                       inputs[2] if self.bias else None)
+
+
+def offered(kind: str, attrs: dict, ins, outs) -> list[str]:
+    """["stem"] where the stem kernels take a node (runner/ops/stem.py), else []."""
+    if kind not in (*CONV_KINDS, "conv_fused") or attrs.get("residual"):
+        return []
+    x, w, y = conv_operands(kind, ins, outs)
+    dims = list(x.shape), list(w.shape), list(y.shape)
+    stem_kind = "conv" if kind == "conv_fused" else kind
+    return ["stem"] if y.row_channels is None and stem_applies(stem_kind, attrs, *dims, y.dtype) else []
+
+
 def _conv_fused(attrs, ins, outs, handle):
+    """cuDNN's fused and unfused candidates, and the stem kernels where they take the node."""
     check_index_range(*ins, *outs)
     fused_plans: set[str] = set()
 
@@ -217,23 +249,17 @@ def _conv_fused(attrs, ins, outs, handle):
         fused_plans.update(name for _, name, _ in impl.plans)
         return impl
 
-    return Alternatives({"fused": fused, "unfused": lambda: FusedConv(False, attrs, ins, outs, handle, fused_plans)})
-
-
-def offered(kind: str, attrs: dict, ins, outs) -> list[str]:
-    """["stem"] where the stem kernels take a node (runner/ops/stem.py), else []."""
-    if kind not in CONV_KINDS:
-        return []
-    x, w, y = conv_operands(kind, ins, outs)
-    dims = list(x.shape), list(w.shape), list(y.shape)
-    return ["stem"] if y.row_channels is None and stem_applies(kind, attrs, *dims, y.dtype) else []
+    builders = {"fused": fused, "unfused": lambda: FusedConv(False, attrs, ins, outs, handle, fused_plans)}
+    if offered("conv_fused", attrs, ins, outs):
+        builders["stem"] = lambda: StemNode("conv_fused", attrs, ins, outs)
+    return Alternatives(builders)
 
 
 def _conv_node(kind: str, attrs, ins, outs, handle):
     """cuDNN's engines (their plan names bare), and the stem kernels where they take the node."""
     builders = {"cudnn": lambda: ConvNode(kind, attrs, ins, outs, handle)}
     if offered(kind, attrs, ins, outs):
-        builders["stem"] = lambda: ConvNode(kind, attrs, ins, outs, handle, stem=True)
+        builders["stem"] = lambda: StemNode(kind, attrs, ins, outs)
     return Alternatives(builders, bare="cudnn")
 
 
