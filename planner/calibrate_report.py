@@ -14,12 +14,14 @@ from planner.calibrate import (co_running_cost, co_running_rows, fit, fit_copy_s
                                traced_copies, traced_slowdowns, unidentified_co_running, write_calibration)
 from planner.files import PlannerError, load_model
 from planner.plan import Plan
+from planner.profile import calibration_key
 from planner.report import RunReport
 
 
 def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[Path] | None,
-                    write: list[Path] | None, console: Console) -> None:
-    """Fit on the reports (with their plans and traces, in order), print the fit, write it to `write`."""
+                    write: list[Path] | None, console: Console, per_batch: bool = False) -> None:
+    """Fit on the reports (with their plans and traces, in order), print the fit, write it to `write` (with
+    `per_batch`, as the runs' batch's own values: they must share one)."""
     for what, given in (("--plan", plans), ("--trace", traces)):
         if given and len(given) != len(reports):
             raise PlannerError(f"{len(reports)} reports but {len(given)} {what} files")
@@ -29,6 +31,11 @@ def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[
     if len(fingerprints) > 1 or len(modes) > 1:
         raise PlannerError("the runs mix devices or training with inference; calibrate one device and mode at a time")
     mode = modes.pop()
+    if per_batch:
+        batches = {r.plan.batch for r in runs}
+        if len(batches) > 1:
+            raise PlannerError(f"--per-batch: the runs are of batches {sorted(batches)}; calibrate one at a time")
+        mode = calibration_key(mode == "training", batches.pop())
     copies, beside = _traced(runs, run_reports, traces)
     copy_slowdown = fit_copy_slowdown(copies)
     for r in runs:
@@ -74,7 +81,7 @@ def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[
         console.print(table)
     for path in write_calibration(write or [], fingerprints.pop(), mode, fitted_values.dispatch_us, copy_slowdown,
                                   interference, fitted_values.one_stream_dispatch_us, fitted_values.co_running):
-        console.print(f"calibration written to {path}")
+        console.print(f"calibration ({mode}) written to {path}")
 
 
 def _paired_runs(reports: list[Path], plans: list[Path] | None) -> tuple[list, list[RunReport]]:

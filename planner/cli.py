@@ -293,12 +293,14 @@ def calibrate(
                                                                       "and show how ops slow beside others"),
     write: Optional[list[Path]] = typer.Option(None, "--write", help="profile files or store directories that get "
                                                                      "the fitted dispatch time (and copy slowdown)"),
+    per_batch: bool = typer.Option(False, "--per-batch", help="write the fit as the runs' batch's own (one batch), "
+                                                              "which solve prefers to the mode's for that batch"),
 ):
     """Fit the per-op dispatch time (and, from traces, the copy slowdown) that make the plans' predictions match
     measured runs, apart for plans on one compute stream; --write stores them."""
     from planner.calibrate_report import calibrate_files
 
-    calibrate_files(reports, plans, traces, write, console)
+    calibrate_files(reports, plans, traces, write, console, per_batch)
 
 
 @app.command()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StringConstraints
 
 from planner.files import FORMAT_VERSION
 
@@ -70,6 +70,25 @@ class OpProfile(BaseModel):
                                        "that offers one not listed measures the op again")
 
 
+CalibrationKey = Annotated[str, StringConstraints(pattern=r"^(training|inference)(\.b[1-9][0-9]*)?$")]
+
+
+def calibration_key(training: bool, batch: int | None = None) -> str:
+    """A mode's calibration key ("training", "inference"), or one batch's of it ("inference.b1")."""
+    mode = "training" if training else "inference"
+    return mode if batch is None else f"{mode}.b{batch}"
+
+
+def calibrated(table: dict[str, float], training: bool, batch: int | None) -> float:
+    """The batch's own calibrated value where there is one, else the mode's, else 0: batch 1 and batch 32 plans
+    of one network lose differently to running side by side (H200 GoogLeNet inference: k 1.17 and no dispatch time
+    at b1, k 1.32 and 0.98 us an op at b32)."""
+    for key in ([calibration_key(training, batch)] if batch is not None else []) + [calibration_key(training)]:
+        if key in table:
+            return table[key]
+    return 0.0
+
+
 class DeviceInfo(BaseModel):
     name: str
     sm_count: int
@@ -99,10 +118,10 @@ class DeviceInfo(BaseModel):
     copy_latency_us: float = 0.0
     copy_overlaps_compute: bool = True
     bidirectional_copies: bool = True
-    dispatch_us: dict[Literal["training", "inference"], float] = Field(
+    dispatch_us: dict[CalibrationKey, float] = Field(
         default_factory=dict, description="what each op adds to an iteration beyond its profiled time (dependency "
-        "resolution in the CUDA graph, co-running slowdown), per mode; fitted from measured runs by `planner "
-        "calibrate`, 0 until then")
+        "resolution in the CUDA graph, co-running slowdown), per mode (`inference`) or per mode and batch "
+        "(`inference.b1`, preferred for that batch); fitted from measured runs by `planner calibrate`, 0 until then")
 
     copy_slowdown: dict[Literal["d2h", "h2d"], float] = Field(
         default_factory=dict, description="a host copy's time inside an iteration over its time alone (it shares "
@@ -114,32 +133,32 @@ class DeviceInfo(BaseModel):
         "slower and the ops waiting on a copy chain fall behind (H100 ResNet-50 training: forward 9% slower "
         "while offloads run); fitted from measured runs by `planner calibrate`, 0 until then")
 
-    one_stream_dispatch_us: dict[Literal["training", "inference"], float] = Field(
+    one_stream_dispatch_us: dict[CalibrationKey, float] = Field(
         default_factory=dict, description="the same in a plan on one compute stream, where no op runs beside another "
         "(H100 training b32: 0, serial plans ran 1-6% under their ops' times alone); fitted from one-stream runs "
         "by `planner calibrate`, 0 until then")
 
-    co_running: dict[Literal["training", "inference"], float] = Field(
-        default_factory=dict, description="k of the co-running slowdown, per mode: in a plan on several compute "
+    co_running: dict[CalibrationKey, float] = Field(
+        default_factory=dict, description="k of the co-running slowdown, per mode or mode and batch as dispatch_us: "
+        "in a plan on several compute "
         "streams each op runs 1 + k x the SM share of the ops beside it times its priced duration "
         "(planner.co_running; H200 inference b32: 1.05); fitted with the dispatch time by `planner calibrate`, 0 "
         "until then")
 
-    def dispatch_for(self, training: bool, streams: int = 2) -> float:
+    def dispatch_for(self, training: bool, streams: int = 2, batch: int | None = None) -> float:
         """What each op adds to its profiled time in a plan on `streams` compute streams."""
-        table = self.one_stream_dispatch_us if streams == 1 else self.dispatch_us
-        return table.get("training" if training else "inference", 0.0)
+        return calibrated(self.one_stream_dispatch_us if streams == 1 else self.dispatch_us, training, batch)
 
-    def co_running_for(self, training: bool, streams: int = 2) -> float:
+    def co_running_for(self, training: bool, streams: int = 2, batch: int | None = None) -> float:
         """k of the co-running slowdown in a plan on `streams` compute streams (none on one)."""
-        return 0.0 if streams == 1 else self.co_running.get("training" if training else "inference", 0.0)
+        return 0.0 if streams == 1 else calibrated(self.co_running, training, batch)
 
-    def calibrate(self, mode: Literal["training", "inference"], dispatch_us: float | None,
+    def calibrate(self, mode: str, dispatch_us: float | None,
                   copy_slowdown: dict[str, float], copy_interference: float | None,
                   one_stream_dispatch_us: float | None = None, co_running: float | None = None) -> None:
-        """Record what `planner calibrate` fitted: the mode's dispatch time on several streams and on one, its
-        co-running slowdown, the directions' copy slowdown and the copy interference (None: nothing to fit it
-        from, keep it)."""
+        """Record what `planner calibrate` fitted: the dispatch time on several streams and on one and the
+        co-running slowdown of a mode (or of one batch of it: calibration_key), the directions' copy slowdown and
+        the copy interference (None: nothing to fit it from, keep it)."""
         if dispatch_us is not None:
             self.dispatch_us[mode] = dispatch_us
         if co_running is not None:

@@ -41,6 +41,43 @@ def _report(plan, plan_file: Path, measured_us: float) -> RunReport:
                      validated=False)
 
 
+def test_per_batch_calibration_is_that_batchs_own_and_solve_prefers_it(solved, tmp_path):
+    """`--per-batch` writes the runs' batch's values ("inference.b1"); solve prices that batch with them and other
+    batches with the mode's."""
+    g, prof, plan = solved
+    plan_file, profile_file = tmp_path / "plan.json", tmp_path / "profile.json"
+    save_model(plan, plan_file)
+    save_model(prof, profile_file)
+    save_model(_report(plan, plan_file, simulated_makespan_us(plan, 2.0)), tmp_path / "run.json")
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--write", str(profile_file),
+                                      "--per-batch"])
+    assert result.exit_code == 0, result.output
+    assert "inference.b1" in result.output
+    calibrated = load_model(Profile, profile_file)
+    assert set(calibrated.device.dispatch_us) == {"inference.b1"}
+    calibrated.device.dispatch_us["inference"] = 5.0
+    assert calibrated.device.dispatch_for(False, 4, batch=1) == pytest.approx(2.0, abs=0.02)
+    assert calibrated.device.dispatch_for(False, 4, batch=32) == 5.0 == calibrated.device.dispatch_for(False, 4)
+    again = solve_plan(g, calibrated, calibrated.device.memory_bytes, Options(time_limit_s=0))
+    assert again.totals.dispatch_us == calibrated.device.dispatch_us["inference.b1"]
+    with pytest.raises(ValueError):
+        calibrated.device.dispatch_us.update({"inference.b0": 1.0})
+        Profile.model_validate(calibrated.model_dump())
+
+
+def test_per_batch_refuses_runs_of_two_batches(solved, tmp_path):
+    _, _, plan = solved
+    g2 = import_onnx(MODELS / "googlenet.onnx", batch=2, dtype="fp16")
+    prof2 = estimate_profile(g2, load_device("h100"))
+    plan2 = solve_plan(g2, prof2, prof2.device.memory_bytes, Options(time_limit_s=0))
+    for name, p in (("b1", plan), ("b2", plan2)):
+        save_model(p, tmp_path / f"{name}.plan.json")
+        save_model(_report(p, tmp_path / f"{name}.plan.json", p.totals.predicted_us), tmp_path / f"{name}.json")
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "b1.json"), str(tmp_path / "b2.json"),
+                                      "--per-batch"])
+    assert isinstance(result.exception, PlannerError) and "batches [1, 2]" in str(result.exception)
+
+
 def test_the_fit_recovers_the_dispatch_time_that_made_the_measurement(solved):
     _, _, plan = solved
     assert simulated_makespan_us(plan, 0.0) == pytest.approx(plan.totals.makespan_us, rel=1e-6)
