@@ -328,12 +328,14 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base_us: float, base_
     horizon = hint.makespan(p) if hint else loose_horizon(p)
     bounds = dict(bounds)
     tick = p.tick_us
+    ratio, untimed = p.bound_scale()
+    real_bound_us = lambda ticks: max(0, ticks - untimed) * tick * ratio  # noqa: E731 - CP-SAT's, of rounded times
 
     def progress(makespan_ticks: int, bound_ticks: int, elapsed_s: float) -> None:
         """The search's makespans price ops alone, so its progress leaves out the bound that does not."""
         if on_progress:
             alone = [v for name, v in bounds.items() if name != "co_running"]
-            on_progress(makespan_ticks * tick, max(bound_ticks * tick if own_bound else 0.0, *alone), elapsed_s)
+            on_progress(makespan_ticks * tick, max(real_bound_us(bound_ticks) if own_bound else 0.0, *alone), elapsed_s)
 
     if options.time_limit_s <= 0:  # the heuristic alone: no OR-Tools needed
         if hint is None:
@@ -348,7 +350,7 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base_us: float, base_
         found, solver_bound_ticks, wall_ended = _search(p, cap_bytes, horizon, hint, options, progress,
                                                         fits_schedule, deadline)
         if own_bound and solver_bound_ticks > 0:
-            bounds["solver"] = solver_bound_ticks * tick
+            bounds["solver"] = real_bound_us(solver_bound_ticks)
         if wall_ended or time.monotonic() >= deadline:
             when = (f"at {RUNAWAY:g} times the time limit (CP-SAT overran its deterministic limit)"
                     if options.deterministic else "at the time limit (this machine ran slower than the budget counts)")

@@ -13,7 +13,7 @@ from planner.bounds import head_tail_us, heads_tails_us, lower_bounds_us, segmen
 from planner.dag import Dag
 from planner.memory_bounds import memory_lower_bound
 from planner.heuristic import list_schedule
-from planner.problem import Alternative, Op, Problem
+from planner.problem import Alternative, Op, Problem, TensorUse
 from planner.schedule import peak_memory, timed
 from planner.streams import assign_streams, cross_stream_waits, schedule_items, settled
 
@@ -306,3 +306,18 @@ def test_the_minimum_cap_is_at_most_every_schedules_peak(seed):
     assert least.schedule is not None and floor <= least.peak_bytes
     keep_all = list_schedule(p, float("inf"), 4, {}).schedule
     assert floor <= peak_memory(p, {}, timed(p, keep_all))[0]
+
+
+def test_cp_sat_s_bound_in_real_time_allows_for_times_rounded_to_ticks():
+    """A chain of three 0.26-us ops rounds to 3 ticks of 0.1 us each: the ticks' optimum, 9, is 0.9 us, over the
+    real one, 0.78. Scaled by the least real over tick time the bound holds; a copy that takes no time (a graph
+    input's copy out) still takes a tick, and is taken off."""
+    ops = [Op(f"op{i}", "relu", "forward", [Alternative("a", 0.26, 3, 0, 100)], [i - 1] if i else [])
+           for i in range(3)]
+    p = Problem("chain", False, ops, [], resident_bytes=0, tick_us=0.1, device=H100, estimated=True)
+    ratio, untimed = p.bound_scale()
+    assert (ratio, untimed) == (pytest.approx(0.26 / 0.3), 0)
+    assert (9 - untimed) * p.tick_us * ratio == pytest.approx(0.78)
+    copied = TensorUse("input", 100, None, [0], [2], is_output=False, can_offload=True, d2h_ticks=1, h2d_ticks=2,
+                       d2h_us=0.0, h2d_us=0.2)
+    assert replace(p, tensors=[copied]).bound_scale() == (pytest.approx(0.26 / 0.3), 1)
