@@ -79,7 +79,7 @@ def calibration_key(training: bool, batch: int | None = None) -> str:
     return mode if batch is None else f"{mode}.b{batch}"
 
 
-def calibrated(table: dict[str, float], training: bool, batch: int | None) -> float:
+def calibration_value(table: dict[str, float], training: bool, batch: int | None) -> float:
     """The batch's own calibrated value where there is one, else the mode's, else 0: batch 1 and batch 32 plans
     of one network lose differently to running side by side (H200 GoogLeNet inference: k 1.17 and no dispatch time
     at b1, k 1.32 and 0.98 us an op at b32)."""
@@ -147,11 +147,11 @@ class DeviceInfo(BaseModel):
 
     def dispatch_for(self, training: bool, streams: int = 2, batch: int | None = None) -> float:
         """What each op adds to its profiled time in a plan on `streams` compute streams."""
-        return calibrated(self.one_stream_dispatch_us if streams == 1 else self.dispatch_us, training, batch)
+        return calibration_value(self.one_stream_dispatch_us if streams == 1 else self.dispatch_us, training, batch)
 
     def co_running_for(self, training: bool, streams: int = 2, batch: int | None = None) -> float:
         """k of the co-running slowdown in a plan on `streams` compute streams (none on one)."""
-        return 0.0 if streams == 1 else calibrated(self.co_running, training, batch)
+        return 0.0 if streams == 1 else calibration_value(self.co_running, training, batch)
 
     def calibrate(self, mode: str, dispatch_us: float | None,
                   copy_slowdown: dict[str, float], copy_interference: float | None,

@@ -329,13 +329,17 @@ def _solve_under(graph: Graph, p: Problem, cap_bytes: int, base_us: float, base_
     bounds = dict(bounds)
     tick = p.tick_us
     ratio, untimed = p.bound_scale()
-    real_bound_us = lambda ticks: max(0, ticks - untimed) * tick * ratio  # noqa: E731 - CP-SAT's, of rounded times
+
+    def real_bound_us(bound_ticks: int) -> float:
+        """CP-SAT's bound, of times rounded to ticks, in real time (Problem.bound_scale)."""
+        return max(0, bound_ticks - untimed) * tick * ratio
 
     def progress(makespan_ticks: int, bound_ticks: int, elapsed_s: float) -> None:
         """The search's makespans price ops alone, so its progress leaves out the bound that does not."""
         if on_progress:
             alone = [v for name, v in bounds.items() if name != "co_running"]
-            on_progress(makespan_ticks * tick, max(real_bound_us(bound_ticks) if own_bound else 0.0, *alone), elapsed_s)
+            bound_us = real_bound_us(bound_ticks) if own_bound else 0.0
+            on_progress(makespan_ticks * tick, max(bound_us, *alone), elapsed_s)
 
     if options.time_limit_s <= 0:  # the heuristic alone: no OR-Tools needed
         if hint is None:
