@@ -2,7 +2,8 @@
 
 Per kind: how many ops and candidates, the spread between each op's fastest and slowest candidate, the
 workspace range, and the ops where the fastest candidate is not the leanest (the time-memory trade-offs the
-solver can make). Estimated profiles say so in the title and in the JSON.
+solver can make). Estimated profiles say so in the title and in the JSON. Then what `planner calibrate` fitted,
+which solve adds to the times measured alone: per mode, and per batch where a batch has values of its own.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.memsize import fmt_bytes
-from planner.profile import OpProfile, Profile
+from planner.profile import DeviceInfo, OpProfile, Profile
 
 SHOW_TRADEOFFS = 15
 
@@ -103,7 +104,18 @@ def summary_json(profile: Profile) -> dict:
         "kinds": [asdict(r) for r in summary_rows(profile)],
         "fastest_not_leanest": [asdict(t) for t in tradeoffs(profile)],
         "counters": counter_rows(profile),
+        "calibration": calibration_json(profile.device),
     }
+
+
+def calibration_json(device: DeviceInfo) -> dict:
+    """Per calibration key (mode, or mode and batch: `inference.b1`) the fitted values (None: not fitted, the
+    mode's or 0 apply), and the copies' slowdown and interference."""
+    keys = sorted(set(device.dispatch_us) | set(device.one_stream_dispatch_us) | set(device.co_running))
+    return {"keys": [{"key": k, "dispatch_us": device.dispatch_us.get(k),
+                      "one_stream_dispatch_us": device.one_stream_dispatch_us.get(k),
+                      "co_running": device.co_running.get(k)} for k in keys],
+            "copy_slowdown": dict(device.copy_slowdown), "copy_interference": device.copy_interference}
 
 
 def _range(lo, hi, fmt=str) -> str:
@@ -126,6 +138,7 @@ def print_summary(profile: Profile, console: Console, as_json: bool = False) -> 
                       _range(r.workspace_min_bytes, r.workspace_max_bytes, fmt_bytes), str(r.fastest_not_leanest))
     console.print(table)
     _print_counters(profile, console)
+    _print_calibration(profile.device, console)
     found = tradeoffs(profile)
     if not found:
         console.print("every op's fastest candidate is also its leanest: no time-memory trade-offs")
@@ -139,6 +152,24 @@ def print_summary(profile: Profile, console: Console, as_json: bool = False) -> 
                       f"{t.leanest} {t.leanest_us:.1f} us", fmt_bytes(t.leanest_workspace_bytes),
                       f"{saved} for +{t.leanest_us - t.fastest_us:.1f} us")
     console.print(table)
+
+
+def _print_calibration(device: DeviceInfo, console: Console) -> None:
+    calibration = calibration_json(device)
+    if not calibration["keys"]:
+        console.print("not calibrated (`planner calibrate`): solve prices every op at its time alone")
+        return
+    fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
+    table = Table("mode, batch", "dispatch per op, several streams", "on one stream", "co-running k",
+                  title="calibrated by planner calibrate (a batch's own values first, then its mode's, then 0)",
+                  title_justify="left")
+    for row in calibration["keys"]:
+        table.add_row(row["key"], fmt(row["dispatch_us"], "{:.2f} us"),
+                      fmt(row["one_stream_dispatch_us"], "{:.2f} us"), fmt(row["co_running"], "{:.2f}"))
+    console.print(table)
+    copies = ", ".join(f"{d} x{v:.3f}" for d, v in calibration["copy_slowdown"].items())
+    console.print(f"copies: {copies or 'as profiled'}; copy interference {device.copy_interference:.3f} us per us of "
+                  "copy")
 
 
 def _print_counters(profile: Profile, console: Console) -> None:

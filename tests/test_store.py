@@ -202,9 +202,18 @@ def test_report_rows_json_and_table(tmp_path, resnet):
     print_summary(profile, Console(file=out, width=200))
     text = out.getvalue()
     assert "ESTIMATED" in text and "conv" in text and "fastest candidate is not the leanest" in text
+    assert "not calibrated" in text and data["calibration"]["keys"] == []
     out = io.StringIO()
     print_summary(profile, Console(file=out, width=40), as_json=True)
     assert json.loads(out.getvalue()) == json.loads(json.dumps(data))
+    profile.device.calibrate("inference", 0.98, {"d2h": 1.1}, 0.04, 0.61, 1.32)
+    profile.device.calibrate("inference.b1", 0.0, {}, None, None, 1.17)
+    rows = {r["key"]: r for r in summary_json(profile)["calibration"]["keys"]}
+    assert rows["inference.b1"] == {"key": "inference.b1", "dispatch_us": 0.0, "one_stream_dispatch_us": None,
+                                    "co_running": 1.17}
+    out = io.StringIO()
+    print_summary(profile, Console(file=out, width=200))
+    assert "inference.b1" in out.getvalue() and "d2h x1.100" in out.getvalue()
 
 
 def test_tradeoff_picks_fastest_and_leanest():
