@@ -19,9 +19,10 @@ from planner.report import RunReport
 
 
 def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[Path] | None,
-                    write: list[Path] | None, console: Console, per_batch: bool = False) -> None:
+                    write: list[Path] | None, console: Console, per_batch: bool = False,
+                    per_model: bool = False) -> None:
     """Fit on the reports (with their plans and traces, in order), print the fit, write it to `write` (with
-    `per_batch`, as the runs' batch's own values: they must share one)."""
+    `per_batch` or `per_model`, as the runs' batch's or model's own values: they must share it)."""
     for what, given in (("--plan", plans), ("--trace", traces)):
         if given and len(given) != len(reports):
             raise PlannerError(f"{len(reports)} reports but {len(given)} {what} files")
@@ -30,12 +31,8 @@ def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[
     modes = {"training" if r.plan.training else "inference" for r in runs}
     if len(fingerprints) > 1 or len(modes) > 1:
         raise PlannerError("the runs mix devices or training with inference; calibrate one device and mode at a time")
-    mode = modes.pop()
-    if per_batch:
-        batches = {r.plan.batch for r in runs}
-        if len(batches) > 1:
-            raise PlannerError(f"--per-batch: the runs are of batches {sorted(batches)}; calibrate one at a time")
-        mode = calibration_key(mode == "training", batches.pop())
+    mode = calibration_key(modes.pop() == "training", _shared(runs, "batch") if per_batch else None,
+                           _shared(runs, "model_name") if per_model else None)
     copies, beside = _traced(runs, run_reports, traces)
     copy_slowdown = fit_copy_slowdown(copies)
     for r in runs:
@@ -82,6 +79,16 @@ def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[
     for path in write_calibration(write or [], fingerprints.pop(), mode, fitted_values.dispatch_us, copy_slowdown,
                                   interference, fitted_values.one_stream_dispatch_us, fitted_values.co_running):
         console.print(f"calibration ({mode}) written to {path}")
+
+
+def _shared(runs: list, field: str):
+    """The one value of the runs' plans' `field` (their batch, their model), which a per-batch or per-model fit
+    needs."""
+    values = {getattr(r.plan, field) for r in runs}
+    if len(values) > 1:
+        what = {"batch": "batches", "model_name": "models"}[field]
+        raise PlannerError(f"the runs are of {what} {sorted(values)}: a fit of one's own takes runs of one")
+    return values.pop()
 
 
 def _paired_runs(reports: list[Path], plans: list[Path] | None) -> tuple[list, list[RunReport]]:

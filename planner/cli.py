@@ -295,12 +295,14 @@ def calibrate(
                                                                      "the fitted dispatch time (and copy slowdown)"),
     per_batch: bool = typer.Option(False, "--per-batch", help="write the fit as the runs' batch's own (one batch), "
                                                               "which solve prefers to the mode's for that batch"),
+    per_model: bool = typer.Option(False, "--per-model", help="write the fit as the runs' model's own (one model; "
+                                                              "with --per-batch, at that batch)"),
 ):
     """Fit the per-op dispatch time (and, from traces, the copy slowdown) that make the plans' predictions match
     measured runs, apart for plans on one compute stream; --write stores them."""
     from planner.calibrate_report import calibrate_files
 
-    calibrate_files(reports, plans, traces, write, console, per_batch)
+    calibrate_files(reports, plans, traces, write, console, per_batch, per_model)
 
 
 @app.command()

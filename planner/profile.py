@@ -70,20 +70,25 @@ class OpProfile(BaseModel):
                                        "that offers one not listed measures the op again")
 
 
-CalibrationKey = Annotated[str, StringConstraints(pattern=r"^(training|inference)(\.b[1-9][0-9]*)?$")]
+CALIBRATION_KEY = r"^(training|inference)(\.b[1-9][0-9]*)?(@[A-Za-z0-9_.-]+)?$"  # mode[.b<batch>][@<model>]
+CalibrationKey = Annotated[str, StringConstraints(pattern=CALIBRATION_KEY)]
 
 
-def calibration_key(training: bool, batch: int | None = None) -> str:
-    """A mode's calibration key ("training", "inference"), or one batch's of it ("inference.b1")."""
-    mode = "training" if training else "inference"
-    return mode if batch is None else f"{mode}.b{batch}"
+def calibration_key(training: bool, batch: int | None = None, model: str | None = None) -> str:
+    """A mode's calibration key ("training", "inference"), or one batch's of it ("inference.b1"), or one model's
+    ("inference@googlenet", "inference.b1@googlenet")."""
+    return ("training" if training else "inference") + (f".b{batch}" if batch is not None else "") + (
+        f"@{model}" if model is not None else "")
 
 
-def calibration_value(table: dict[str, float], training: bool, batch: int | None) -> float:
-    """The batch's own calibrated value where there is one, else the mode's, else 0: batch 1 and batch 32 plans
-    of one network lose differently to running side by side (H200 GoogLeNet inference: k 1.17 and no dispatch time
-    at b1, k 1.32 and 0.98 us an op at b32)."""
-    for key in ([calibration_key(training, batch)] if batch is not None else []) + [calibration_key(training)]:
+def calibration_value(table: dict[str, float], training: bool, batch: int | None = None,
+                      model: str | None = None) -> float:
+    """The most specific calibrated value there is: the model's at this batch, the model's, the batch's, the
+    mode's, else 0. What an op adds inside an iteration differs by batch and by network (H200 inference: k 1.17
+    and no dispatch time at b1, k 1.32 and 0.98 us an op at b32; on one stream at b1, GoogLeNet's serial plan
+    needed no dispatch time, ResNet-50's 0.79 us an op)."""
+    batches, models = [batch, None] if batch is not None else [None], [model, None] if model is not None else [None]
+    for key in [calibration_key(training, b, m) for m in models for b in batches]:
         if key in table:
             return table[key]
     return 0.0
@@ -120,8 +125,9 @@ class DeviceInfo(BaseModel):
     bidirectional_copies: bool = True
     dispatch_us: dict[CalibrationKey, float] = Field(
         default_factory=dict, description="what each op adds to an iteration beyond its profiled time (dependency "
-        "resolution in the CUDA graph, co-running slowdown), per mode (`inference`) or per mode and batch "
-        "(`inference.b1`, preferred for that batch); fitted from measured runs by `planner calibrate`, 0 until then")
+        "resolution in the CUDA graph, co-running slowdown), per mode (`inference`), and where fitted so per batch "
+        "(`inference.b1`), model (`inference@googlenet`) or both, the most specific preferred; fitted from "
+        "measured runs by `planner calibrate`, 0 until then")
 
     copy_slowdown: dict[Literal["d2h", "h2d"], float] = Field(
         default_factory=dict, description="a host copy's time inside an iteration over its time alone (it shares "
@@ -145,20 +151,23 @@ class DeviceInfo(BaseModel):
         "(planner.co_running; H200 inference b32: 1.05); fitted with the dispatch time by `planner calibrate`, 0 "
         "until then")
 
-    def dispatch_for(self, training: bool, streams: int = 2, batch: int | None = None) -> float:
+    def dispatch_for(self, training: bool, streams: int = 2, batch: int | None = None,
+                     model: str | None = None) -> float:
         """What each op adds to its profiled time in a plan on `streams` compute streams."""
-        return calibration_value(self.one_stream_dispatch_us if streams == 1 else self.dispatch_us, training, batch)
+        table = self.one_stream_dispatch_us if streams == 1 else self.dispatch_us
+        return calibration_value(table, training, batch, model)
 
-    def co_running_for(self, training: bool, streams: int = 2, batch: int | None = None) -> float:
+    def co_running_for(self, training: bool, streams: int = 2, batch: int | None = None,
+                       model: str | None = None) -> float:
         """k of the co-running slowdown in a plan on `streams` compute streams (none on one)."""
-        return 0.0 if streams == 1 else calibration_value(self.co_running, training, batch)
+        return 0.0 if streams == 1 else calibration_value(self.co_running, training, batch, model)
 
     def calibrate(self, mode: str, dispatch_us: float | None,
                   copy_slowdown: dict[str, float], copy_interference: float | None,
                   one_stream_dispatch_us: float | None = None, co_running: float | None = None) -> None:
         """Record what `planner calibrate` fitted: the dispatch time on several streams and on one and the
-        co-running slowdown of a mode (or of one batch of it: calibration_key), the directions' copy slowdown and
-        the copy interference (None: nothing to fit it from, keep it)."""
+        co-running slowdown of a mode (or of one batch or model of it: calibration_key), the directions' copy
+        slowdown and the copy interference (None: nothing to fit it from, keep it)."""
         if dispatch_us is not None:
             self.dispatch_us[mode] = dispatch_us
         if co_running is not None:

@@ -3,7 +3,7 @@
 Per kind: how many ops and candidates, the spread between each op's fastest and slowest candidate, the
 workspace range, and the ops where the fastest candidate is not the leanest (the time-memory trade-offs the
 solver can make). Estimated profiles say so in the title and in the JSON. Then what `planner calibrate` fitted,
-which solve adds to the times measured alone: per mode, and per batch where a batch has values of its own.
+which solve adds to the times measured alone: per mode, and per batch or model where fitted so.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def summary_json(profile: Profile) -> dict:
 
 
 def calibration_json(device: DeviceInfo) -> dict:
-    """Per calibration key (mode, or mode and batch: `inference.b1`) the fitted values (None: not fitted, the
+    """Per calibration key (mode, and batch or model: `inference.b1@googlenet`) the fitted values (None: not fitted, the
     mode's or 0 apply), and the copies' slowdown and interference."""
     keys = sorted(set(device.dispatch_us) | set(device.one_stream_dispatch_us) | set(device.co_running))
     return {"keys": [{"key": k, "dispatch_us": device.dispatch_us.get(k),
@@ -160,8 +160,9 @@ def _print_calibration(device: DeviceInfo, console: Console) -> None:
         console.print("not calibrated (`planner calibrate`): solve prices every op at its time alone")
         return
     fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
-    table = Table("mode, batch", "dispatch per op, several streams", "on one stream", "co-running k",
-                  title="calibrated by planner calibrate (a batch's own values first, then its mode's, then 0)",
+    table = Table("mode[.batch][@model]", "dispatch per op, several streams", "on one stream", "co-running k",
+                  title="calibrated by planner calibrate (used: the model's at the batch, the model's, the batch's, "
+                  "the mode's, else 0)",
                   title_justify="left")
     for row in calibration["keys"]:
         table.add_row(row["key"], fmt(row["dispatch_us"], "{:.2f} us"),

@@ -43,7 +43,8 @@ def _report(plan, plan_file: Path, measured_us: float) -> RunReport:
 
 def test_per_batch_calibration_is_that_batchs_own_and_solve_prefers_it(solved, tmp_path):
     """`--per-batch` writes the runs' batch's values ("inference.b1"); solve prices that batch with them and other
-    batches with the mode's."""
+    batches with the mode's. With `--per-model` too, the model's at that batch ("inference.b1@googlenet"), which
+    come first, then the model's, the batch's and the mode's."""
     g, prof, plan = solved
     plan_file, profile_file = tmp_path / "plan.json", tmp_path / "profile.json"
     save_model(plan, plan_file)
@@ -63,9 +64,18 @@ def test_per_batch_calibration_is_that_batchs_own_and_solve_prefers_it(solved, t
     with pytest.raises(ValueError):
         calibrated.device.dispatch_us.update({"inference.b0": 1.0})
         Profile.model_validate(calibrated.model_dump())
+    save_model(prof, profile_file)
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--write", str(profile_file),
+                                      "--per-batch", "--per-model"])
+    assert result.exit_code == 0, result.output
+    device = load_model(Profile, profile_file).device
+    assert set(device.dispatch_us) == {"inference.b1@googlenet"}
+    device.dispatch_us.update({"inference.b1": 5.0, "inference@googlenet": 7.0})
+    assert device.dispatch_for(False, 4, 1, "googlenet") == pytest.approx(2.0, abs=0.02)
+    assert device.dispatch_for(False, 4, 32, "googlenet") == 7.0 and device.dispatch_for(False, 4, 1, "resnet50") == 5.0
 
 
-def test_per_batch_refuses_runs_of_two_batches(solved, tmp_path):
+def test_per_batch_refuses_runs_of_two_batches_per_model_takes_them(solved, tmp_path):
     _, _, plan = solved
     g2 = import_onnx(MODELS / "googlenet.onnx", batch=2, dtype="fp16")
     prof2 = estimate_profile(g2, load_device("h100"))
@@ -76,6 +86,10 @@ def test_per_batch_refuses_runs_of_two_batches(solved, tmp_path):
     result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "b1.json"), str(tmp_path / "b2.json"),
                                       "--per-batch"])
     assert isinstance(result.exception, PlannerError) and "batches [1, 2]" in str(result.exception)
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "b1.json"), str(tmp_path / "b2.json"),
+                                      "--per-model"])
+    assert result.exit_code == 0, result.output
+    assert "inference@googlenet" in result.output
 
 
 def test_the_fit_recovers_the_dispatch_time_that_made_the_measurement(solved):
