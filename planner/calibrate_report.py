@@ -5,6 +5,7 @@ values."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from rich.console import Console
@@ -14,7 +15,7 @@ from planner.calibrate import (co_running_cost, co_running_rows, fit, fit_copy_s
                                traced_copies, traced_slowdowns, unidentified_co_running, write_calibration)
 from planner.files import PlannerError, load_model
 from planner.plan import Plan
-from planner.profile import calibration_key
+from planner.profile import CALIBRATION_KEY, calibration_key
 from planner.report import RunReport
 
 
@@ -33,6 +34,8 @@ def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[
         raise PlannerError("the runs mix devices or training with inference; calibrate one device and mode at a time")
     mode = calibration_key(modes.pop() == "training", _shared(runs, "batch") if per_batch else None,
                            _shared(runs, "model_name") if per_model else None)
+    if not re.match(CALIBRATION_KEY, mode):
+        raise PlannerError(f"--per-model: the model name in {mode!r} has white space; rename the model file")
     copies, beside = _traced(runs, run_reports, traces)
     copy_slowdown = fit_copy_slowdown(copies)
     for r in runs:

@@ -70,7 +70,7 @@ class OpProfile(BaseModel):
                                        "that offers one not listed measures the op again")
 
 
-CALIBRATION_KEY = r"^(training|inference)(\.b[1-9][0-9]*)?(@[A-Za-z0-9_.-]+)?$"  # mode[.b<batch>][@<model>]
+CALIBRATION_KEY = r"^(training|inference)(\.b[1-9][0-9]*)?(@\S+)?$"  # mode[.b<batch>][@<model>]
 CalibrationKey = Annotated[str, StringConstraints(pattern=CALIBRATION_KEY)]
 
 

@@ -90,6 +90,11 @@ def test_per_batch_refuses_runs_of_two_batches_per_model_takes_them(solved, tmp_
                                       "--per-model"])
     assert result.exit_code == 0, result.output
     assert "inference@googlenet" in result.output
+    spaced = plan.model_copy(update={"model_name": "my net"})
+    save_model(spaced, tmp_path / "spaced.plan.json")
+    save_model(_report(spaced, tmp_path / "spaced.plan.json", spaced.totals.predicted_us), tmp_path / "spaced.json")
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "spaced.json"), "--per-model"])
+    assert isinstance(result.exception, PlannerError) and "white space" in str(result.exception)
 
 
 def test_the_fit_recovers_the_dispatch_time_that_made_the_measurement(solved):
