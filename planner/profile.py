@@ -145,11 +145,10 @@ class DeviceInfo(BaseModel):
         "by `planner calibrate`, 0 until then")
 
     co_running: dict[CalibrationKey, float] = Field(
-        default_factory=dict, description="k of the co-running slowdown, per mode or mode and batch as dispatch_us: "
-        "in a plan on several compute "
-        "streams each op runs 1 + k x the SM share of the ops beside it times its priced duration "
-        "(planner.co_running; H200 inference b32: 1.05); fitted with the dispatch time by `planner calibrate`, 0 "
-        "until then")
+        default_factory=dict, description="k of the co-running slowdown, per mode (and batch or model) as "
+        "dispatch_us: in a plan on several compute streams each op runs 1 + k x the SM share of the ops beside it "
+        "times its priced duration (planner.co_running; H200 inference b32: 1.05); fitted with the dispatch time by "
+        "`planner calibrate`, 0 until then")
 
     def dispatch_for(self, training: bool, streams: int = 2, batch: int | None = None,
                      model: str | None = None) -> float:
