@@ -79,6 +79,11 @@ STEM_CASES = [
     ("conv_fused", {**STEM7, "residual": False, "relu": True}, [(2, 3, 20, 18), (16, 3, 7, 7), (16,)]),
     ("conv_fused", {**STEM3, "residual": False, "relu": True}, [(2, 3, 17, 37), (32, 3, 3, 3)]),
     ("conv_fused", {**CONV, "residual": False, "relu": False}, [(2, 8, 9, 7), (16, 8, 3, 3), (16,)]),
+    # 64 output channels: on Hopper also the wgmma forward (runner/ops/stem_wgmma.py)
+    ("conv", STEM7, [(2, 3, 20, 24), (64, 3, 7, 7)]),
+    ("conv_fused", {**STEM7, "residual": False, "relu": True}, [(2, 3, 20, 24), (64, 3, 7, 7), (64,)]),
+    ("conv", CONV_S2, [(3, 3, 9, 8), (64, 3, 3, 3)]),
+    ("conv_bwd_filter", {**STEM7, "w_shape": [64, 3, 7, 7]}, [(2, 3, 20, 24), (2, 64, 10, 12)]),
     ("conv", CONV_S2, [(3, 3, 9, 7), (16, 3, 3, 3)]),
     ("conv_bwd_filter", {**CONV_S2, "w_shape": [16, 3, 3, 3]}, [(3, 3, 9, 7), (3, 16, 4, 3)]),
 ]
@@ -306,6 +311,56 @@ def test_few_channel_convs_offer_the_stem_kernels(gpu_ctx, kind, attrs, shapes):
     out = REFERENCE[kind]([np.zeros(s) for s in shapes], attrs)[0].shape
     op = OPS[kind](attrs, [spec(s, "fp32") for s in shapes], [spec(out, "fp32")], gpu_ctx[1])
     assert not any(n.startswith("stem:") for n, _ in op.candidates), op.candidates
+
+
+@pytest.mark.gpu
+def test_the_wgmma_stem_runs_rows_across_images(gpu_ctx):
+    """runner/ops/stem_wgmma.py: each CTA takes a contiguous run of output rows and reuses the input rows they
+    share; with few CTAs the runs cross images. Forward and weight gradient equal the mma.sync stem kernels' for
+    one CTA, a few and one a row, and an sm_90 device's stem conv and weight gradient list the wgmma candidates."""
+    from runner.ops import OPS
+    from runner.ops.common import spec
+    from runner.ops.stem import StemConv, stem_shape
+    from runner.ops.stem_wgmma import StemWgmma
+
+    cp, handle, stream = gpu_ctx
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma needs compute capability 9.0")
+    attrs = {**STEM7, "residual": False, "relu": True}
+    x_dims, w_dims, y_dims = [3, 3, 40, 48], [64, 3, 7, 7], [3, 64, 20, 24]
+    names = [n for n, _ in OPS["conv_fused"](attrs, [spec(x_dims, "fp16"), spec(w_dims, "fp16"), spec([64], "fp16")],
+                                             [spec(y_dims, "fp16")], handle).candidates]
+    names += [n for n, _ in OPS["conv_bwd_filter"]({**STEM7, "w_shape": w_dims}, [spec(x_dims, "fp16"),
+                                                   spec(y_dims, "fp16")], [spec(w_dims, "fp16")], handle).candidates]
+    assert {"stem:wgmma", "stem:wgmma:1x"} <= set(names), names
+    rng = np.random.default_rng(0)
+
+    def nhwc(dims, scale):
+        n, c, h, w = dims
+        return cp.asarray((rng.standard_normal((n, h, w, c)) * scale).astype(np.float16)).transpose(0, 3, 1, 2)
+
+    x, w, y, dy, dw = nhwc(x_dims, 1.0), nhwc(w_dims, 0.2), nhwc(y_dims, 1.0), nhwc(y_dims, 0.5), nhwc(w_dims, 1.0)
+    bias = cp.asarray(rng.standard_normal(64).astype(np.float16))
+    shape = stem_shape(attrs, x_dims, w_dims, y_dims)
+    mma_wgrad = StemConv("conv_bwd_filter", attrs, x_dims, w_dims, y_dims, "fp16")
+    with stream:
+        StemConv("conv", attrs, x_dims, w_dims, y_dims, "fp16", bias=True, relu=True).launch(0, x, w, y, None, bias)
+        mma_wgrad.launch(0, x, dy, dw, cp.empty(mma_wgrad.workspace_bytes(0), cp.uint8))
+        stream.synchronize()
+    want_y, want_dw = cp.asnumpy(y).astype(np.float64), cp.asnumpy(dw).astype(np.float64)
+    forward = StemWgmma("conv", shape, True, True)
+    backward = StemWgmma("conv_bwd_filter", shape, sum_partials=mma_wgrad.sum_partials)
+    assert forward.units == backward.units == 60
+    for grid in (1, 7, 60):
+        forward.grids = backward.grids = [grid]
+        with stream:
+            y.fill(np.nan)
+            dw.fill(np.nan)
+            forward.launch(0, x, w, y, None, bias)
+            backward.launch(0, x, dy, dw, cp.empty(grid * backward.partial_bytes, cp.uint8))
+            stream.synchronize()
+        np.testing.assert_allclose(cp.asnumpy(y).astype(np.float64), want_y, rtol=2e-3, atol=2e-3, err_msg=str(grid))
+        np.testing.assert_allclose(cp.asnumpy(dw).astype(np.float64), want_dw, rtol=2e-3, atol=5e-3, err_msg=str(grid))
 
 
 @pytest.mark.gpu

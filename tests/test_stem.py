@@ -6,6 +6,8 @@ import pytest
 from runner.ops.common import spec
 from runner.ops.conv import offered
 from runner.ops.stem import SHARED_LIMIT_BYTES, applies, stem_shape
+from runner.ops.stem_wgmma import applies as wgmma_applies
+from runner.ops.stem_wgmma import pixels, shared_bytes
 
 S2P3 = {"strides": [2, 2], "pads": [3, 3, 3, 3], "dilations": [1, 1], "groups": 1}
 S2P0 = {"strides": [2, 2], "pads": [0, 0, 0, 0], "dilations": [1, 1], "groups": 1}
@@ -55,7 +57,35 @@ def test_inference_stems_fold_bias_and_relu_but_not_a_residual(attrs, x, w, y):
     channel slice of a concat, it stays with cuDNN's fused and unfused candidates."""
     ins, out = [spec(x, "fp16"), spec(w, "fp16"), spec([w[0]], "fp16")], spec(y, "fp16")
     fused = {**attrs, "relu": True, "residual": False}
-    assert offered("conv_fused", fused, ins, [out]) == ["stem"]
+    assert offered("conv_fused", fused, ins, [out]) == (["stem", "stem_wgmma"] if w[0] == 64 else ["stem"])
     assert offered("conv_fused", {**fused, "residual": True}, [*ins, spec(y, "fp16")], [out]) == []
     assert offered("conv_fused", fused, ins, [spec(y, "fp16", row_channels=2 * y[1])]) == []
     assert offered("conv_fused", fused, [spec(s, "fp32") for s in (x, w, [w[0]])], [spec(y, "fp32")]) == []
+
+
+@pytest.mark.parametrize("attrs,x,w,y", STEMS)
+def test_the_wgmma_kernels_take_64_output_channels_with_pixels_16_bytes_apart(attrs, x, w, y):
+    """runner/ops/stem_wgmma.py: GoogLeNet's and ResNet-50's stem (64 output channels, 3 channels padded to 4 at
+    stride 2: patch rows 16 bytes apart, wgmma's core-matrix row stride), forward with or without a bias and the
+    weight gradient; Inception v3's (32 output channels) and the 16-channel case stay with the mma.sync kernels."""
+    shape = stem_shape(attrs, x, w, y)
+    takes = w[0] == 64
+    for kind, bias in (("conv", False), ("conv", True), ("conv_bwd_filter", False)):
+        assert wgmma_applies(kind, shape, bias) == takes
+    assert not wgmma_applies("conv_bwd_data", shape)
+    both = ["stem", "stem_wgmma"] if takes else ["stem"]
+    assert offered("conv", attrs, [spec(x, "fp16"), spec(w, "fp16")], [spec(y, "fp16")]) == both
+    assert offered("conv_bwd_filter", {**attrs, "w_shape": w}, [spec(x, "fp16"), spec(y, "fp16")],
+                   [spec(w, "fp16")]) == both
+    if takes:
+        m = shape.layout
+        assert shape.sw * m["CP"] * 2 == 16 and pixels(shape) >= shape.q and pixels(shape) % 16 == 0
+        assert m["SW"] * (pixels(shape) - 1) + m["JP"] // m["CP"] <= m["WSM"]  # every patch read is held
+        assert shared_bytes(shape) <= SHARED_LIMIT_BYTES
+
+
+def test_the_wgmma_forward_needs_a_padding_channel_for_a_bias():
+    """With 8 input channels at stride 1 (patch rows 16 bytes apart too) there is no free channel to carry the
+    bias as a product, so only the bias-free conv is taken."""
+    shape = stem_shape(S1P1, [2, 8, 9, 8], [64, 8, 3, 3], [2, 64, 9, 8])
+    assert wgmma_applies("conv", shape) and not wgmma_applies("conv", shape, bias=True)

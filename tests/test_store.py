@@ -256,5 +256,6 @@ def test_an_entry_measured_before_an_implementation_existed_is_measured_again(tm
     assert measured.missing(graph) == [] and set(measured.missing(graph, offered)) == stem
     counter = Counter(graph)
     profile_graph(graph, measured, lambda nodes: (op.model_copy(update={
-        "estimated": False, "timing": TIMING, "implementations": ["stem"]}) for op in counter(nodes)), offered=offered)
+        "estimated": False, "timing": TIMING, "implementations": ["stem", "stem_wgmma"]}) for op in counter(nodes)),
+        offered=offered)
     assert set(counter.seen) == stem and measured.missing(graph, offered) == []

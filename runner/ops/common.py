@@ -193,6 +193,25 @@ def kernel(source: str, name: str, dtype: str = "fp32"):
     return _module(source, KERNEL_TYPE[dtype]).get_function(name)
 
 
+@lru_cache(maxsize=None)
+def hopper_kernel(source: str, name: str):
+    """Kernel `name` of `source` (fp16 storage) for sm_90a, the target Hopper's wgmma instructions need (CuPy
+    compiles for sm_90): NVRTC directly, the cubin loaded as a module; a source it refuses raises ValueError."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    cp = gpu().cp
+    program = nvrtc.createProgram(f"#define T half_bits\n{PRELUDE}\n{source}", f"{name}.cu", [], [])
+    try:
+        nvrtc.compileProgram(program, ["--gpu-architecture=sm_90a", "--std=c++14", "-ftz=true"])
+        module = cp.cuda.function.Module()
+        module.load(nvrtc.getCUBIN(program))
+    except nvrtc.NVRTCError as e:
+        raise ValueError(f"{name}: {e}: {nvrtc.getProgramLog(program)[:500]}") from e
+    finally:
+        nvrtc.destroyProgram(program)
+    return module.get_function(name)  # the Function holds its module
+
+
 def blocks_for(n: int, threads: int = THREADS) -> int:
     return max(1, min(-(-n // threads), MAX_BLOCKS))
 

@@ -7,7 +7,8 @@ whose engines apply the epilogue inside the conv kernel, and `unfused:<plan>`, a
 epilogue kernel (precompiled conv engines outnumber fused ones, and one of them may still win).
 
 Where few input channels make cuDNN slow (a network's first conv), `stem:<CTAs per SM>x` candidates run the
-stem kernels of runner/ops/stem.py instead, an inference conv's bias and ReLU folded into them.
+stem kernels of runner/ops/stem.py instead, an inference conv's bias and ReLU folded into them, and on Hopper, with
+64 output channels, `stem:wgmma` (forward) and `stem:wgmma:<CTAs per SM>x` (weight gradient; runner/ops/stem_wgmma.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from functools import partial
 
 from runner.gpu import cudnn_dtype, gpu
 from runner.ops.common import THREADS, WANTED_ALGORITHM, Alternatives, blocks_for, check_index_range, i32, kernel
-from runner.ops.stem import StemConv
+from runner.ops.stem import StemConv, stem_shape
 from runner.ops.stem import applies as stem_applies
+from runner.ops.stem_wgmma import StemWgmma
+from runner.ops.stem_wgmma import applies as wgmma_applies
 
 CONV_KINDS = ("conv", "conv_bwd_data", "conv_bwd_filter")
 
@@ -212,31 +215,49 @@ class FusedConv:
 
 class StemNode:
     """conv, conv_fused or conv_bwd_filter by the stem kernels (runner/ops/stem.py), which add a bias and apply
-    ReLU as they write y (conv_fused with a residual is left to cuDNN)."""
+    ReLU as they write y (conv_fused with a residual is left to cuDNN); with 64 output channels also by Hopper's
+    wgmma (runner/ops/stem_wgmma.py), where the device has it."""
 
     def __init__(self, kind: str, attrs: dict, ins, outs):
         check_index_range(*ins, *outs)
         x, w, y = conv_operands(kind, ins, outs)
         forward = kind in ("conv", "conv_fused")
+        stem_kind = "conv" if forward else kind
         self.bias = forward and len(ins) > 2
-        self.op = StemConv("conv" if forward else kind, attrs, list(x.shape), list(w.shape), list(y.shape), y.dtype,
-                           bias=self.bias, relu=bool(attrs.get("relu")))
+        relu = bool(attrs.get("relu"))
+        self.op = StemConv(stem_kind, attrs, list(x.shape), list(w.shape), list(y.shape), y.dtype, bias=self.bias,
+                           relu=relu)
         self.candidates = [(name, workspace) for _, name, workspace in self.op.candidates]
-        self.unsupported = self.op.unsupported
+        self.unsupported = list(self.op.unsupported)
+        self.wgmma = None
+        if wgmma_applies(stem_kind, self.op.shape, self.bias):
+            try:
+                self.wgmma = StemWgmma(stem_kind, self.op.shape, self.bias, relu, self.op.sum_partials)
+                self.candidates += self.wgmma.candidates
+            except Exception as e:  # noqa: BLE001 - no sm_90, or an NVRTC without sm_90a: the mma.sync ones stay
+                self.unsupported.append(("stem:wgmma", f"{type(e).__name__}: {str(e)[:160]}"))
 
     def launch(self, index: int, inputs: list, outputs: list, workspace) -> None:
-        self.op.launch(self.op.candidates[index][0], inputs[0], inputs[1], outputs[0], workspace,
-                       inputs[2] if self.bias else None)
+        bias = inputs[2] if self.bias else None
+        mma_sync = len(self.op.candidates)
+        if index >= mma_sync:
+            self.wgmma.launch(index - mma_sync, inputs[0], inputs[1], outputs[0], workspace, bias)
+            return
+        self.op.launch(self.op.candidates[index][0], inputs[0], inputs[1], outputs[0], workspace, bias)
 
 
 def offered(kind: str, attrs: dict, ins, outs) -> list[str]:
-    """["stem"] where the stem kernels take a node (runner/ops/stem.py), else []."""
+    """["stem"] where the stem kernels take a node (runner/ops/stem.py), "stem_wgmma" too where the wgmma ones do
+    (runner/ops/stem_wgmma.py; on any device: elsewhere than on Hopper they are recorded unsupported), else []."""
     if kind not in (*CONV_KINDS, "conv_fused") or attrs.get("residual"):
         return []
     x, w, y = conv_operands(kind, ins, outs)
     dims = list(x.shape), list(w.shape), list(y.shape)
     stem_kind = "conv" if kind == "conv_fused" else kind
-    return ["stem"] if y.row_channels is None and stem_applies(stem_kind, attrs, *dims, y.dtype) else []
+    if y.row_channels is not None or not stem_applies(stem_kind, attrs, *dims, y.dtype):
+        return []
+    bias = kind == "conv_fused" and len(ins) > 2
+    return ["stem", "stem_wgmma"] if wgmma_applies(stem_kind, stem_shape(attrs, *dims), bias) else ["stem"]
 
 
 def _conv_fused(attrs, ins, outs, handle):

@@ -376,7 +376,9 @@ class StemConv:
             self.kernels[0]((grid,), (THREADS,), (a, b, out if bias is None else bias, out, i32(self.units)),
                             shared_mem=self.shared)
             return
-        main, total = self.kernels
-        main((grid,), (THREADS,), (a, b, workspace, i32(self.units)), shared_mem=self.shared)
-        total((math.ceil(self.partial_floats / self.phases / 32),), (THREADS,),
-              (workspace, out, i32(grid * self.phases)))
+        self.kernels[0]((grid,), (THREADS,), (a, b, workspace, i32(self.units)), shared_mem=self.shared)
+        self.sum_partials(workspace, out, grid * self.phases)
+
+    def sum_partials(self, partial, dw, parts: int) -> None:
+        """dw = the sum of `parts` partial sums partial[part][k][r * JP + j], in a fixed order (fp16 dw)."""
+        self.kernels[1]((math.ceil(self.partial_floats / self.phases / 32),), (THREADS,), (partial, dw, i32(parts)))
