@@ -29,6 +29,7 @@ from runner.ops.common import THREADS, i32, kernel
 
 STEM_KINDS = ("conv", "conv_bwd_filter")
 MAX_CHANNELS = 8
+HALF_ONE = 0x3C00  # fp16 1.0: the padding channel that carries a bias as a product
 SHARED_LIMIT_BYTES = 48 << 10  # without opting in to more per block
 MAX_ACCUMULATORS = 64  # fp32 registers a thread keeps its sums in
 CTAS_PER_SM = {"conv": (2, 4), "conv_bwd_filter": (1, 2)}  # the candidates: persistent CTAs per SM
@@ -362,7 +363,7 @@ class StemConv:
         self.unsupported: list[tuple[str, str]] = []
         # compiled now: a source the compiler refuses makes the implementation unsupported, not a failed launch
         epilogue = dict(BIAS=int(bias), RELU=int(relu), BIAS_IN_PATCH=int(bias and self.shape.c < m["CP"]),
-                        HALF_ONE=0x3C00)  # fp16 1.0
+                        HALF_ONE=HALF_ONE)
         defines = "".join(f"#define {name} {value}\n" for name, value in (m | epilogue).items())
         names = ["stem_fwd"] if kind == "conv" else ["stem_wgrad", "stem_wgrad_sum"]
         self.kernels = [kernel(defines + SRC, name, "fp16") for name in names]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from runner.gpu import gpu
 from runner.ops.common import hopper_kernel, i32
-from runner.ops.stem import SHARED_LIMIT_BYTES, StemShape
+from runner.ops.stem import HALF_ONE, SHARED_LIMIT_BYTES, StemShape
 
 THREADS = 128  # one warpgroup
 OUTPUT_CHANNELS = 64  # wgmma's M
@@ -46,6 +46,12 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
 __device__ __forceinline__ int slot_of(int h) { return (h + PT) % RING; }
 
 struct Smem { half_bits* xs; half_bits* raw; half_bits* tile; };  // tile: y's row forward, dy's backward
+
+// accumulators an in-flight wgmma writes: the compiler must not move their reads or writes across this point
+template <int N> __device__ __forceinline__ void hold(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
 
 // input rows h0 .. h0 + NR - 1 of image n into registers (zero outside the image), then into `raw` as they are
 template <int NR> __device__ __forceinline__ void fetch(uint4 (&v)[VECS_A_THREAD(NR)], const half_bits* x, int n,
@@ -118,8 +124,7 @@ __device__ __forceinline__ unsigned long long pixels_desc(const half_bits* p) {
 WGMMA_DEF
 // output row p's wgmma group into d: for each kernel row r and 16-column step t, D += A[r, t] B(slot of r)
 __device__ __forceinline__ void issue(float (&d)[NW / 2], const unsigned (&a)[R * NT][4], const Smem& sm, int p) {
-#pragma unroll
-    for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+    hold(d);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     int slot = slot_of(SH * p - PT);
 #pragma unroll
@@ -133,8 +138,7 @@ __device__ __forceinline__ void issue(float (&d)[NW / 2], const unsigned (&a)[R 
 }
 template <int PENDING> __device__ __forceinline__ void settle(float (&d)[NW / 2]) {
     asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(PENDING) : "memory");
-#pragma unroll
-    for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+    hold(d);
 }
 // D (rows k, columns q) -> tile[q * YS + k] in fp16, transposed by stmatrix; then the row out in 16-byte pieces
 __device__ __forceinline__ void to_tile(const float (&d)[NW / 2], const Smem& sm) {
@@ -229,7 +233,7 @@ __device__ __forceinline__ void ldsm_t(unsigned* d, const half_bits* p) {
 __device__ __forceinline__ unsigned long long patches_desc(const half_bits* p) {
     return (unsigned long long)((smem_u32(p) & 0x3FFFF) >> 4) | (8ull << 16) | (1ull << 32);
 }
-WGMMA_T_DEF
+WGMMA_DEF
 #define DY_VECS (Q * K / 8)
 #define DY_A_THREAD ((DY_VECS + NTHREADS - 1) / NTHREADS)
 __device__ __forceinline__ void fetch_dy(uint4 (&v)[DY_A_THREAD], const half_bits* dy, int unit) {
@@ -282,14 +286,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) stem_wgrad_wgmma(const
                 ldsm_t(a[c & 1], sm.tile + (c * 16 + ((lane >> 4) << 3) + (lane & 7)) * YS + 16 * warp
                                      + ((lane >> 3) & 1) * 8);
 #pragma unroll
-                for (int r = 0; r < R; ++r)
-#pragma unroll
-                    for (int i = 0; i < JP / 2; ++i) asm volatile("" : "+f"(acc[r][i]) :: "memory");
+                for (int r = 0; r < R; ++r) hold(acc[r]);
                 asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
                 int slot = slot0;
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    wgmma_t(acc[r], a[c & 1], patches_desc(sm.xs + slot * XS_ROW + c * 16 * CP * SW));
+                    wgmma(acc[r], a[c & 1], patches_desc(sm.xs + slot * XS_ROW + c * 16 * CP * SW), 1);
                     slot = slot + 1 == RING ? 0 : slot + 1;
                 }
                 asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
@@ -307,9 +309,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) stem_wgrad_wgmma(const
         first += last - p0;
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int i = 0; i < JP / 2; ++i) asm volatile("" : "+f"(acc[r][i]) :: "memory");
+    for (int r = 0; r < R; ++r) hold(acc[r]);
     // acc[r][4 * b + e]: k = 16 * warp + lane / 4 (+ 8 for e >= 2), j = 8 * b + 2 * (lane % 4) (+ 1 for odd e)
     float* out = partial + (long long)blockIdx.x * K * R * JP;
 #pragma unroll
@@ -324,30 +324,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) stem_wgrad_wgmma(const
 """
 
 
-def wgmma_source(pixels: int) -> str:
-    """`wgmma(d, a, b, accumulate)`: D[64 x pixels] (+)= A (registers) B (descriptor, K-major), fp16 in, fp32 out."""
-    nd = pixels // 2
+def wgmma_source(columns: int, n_major: bool) -> str:
+    """`wgmma(d, a, b, accumulate)`: D[64 x columns] (+)= A (registers) B (descriptor, K-major or N-major), fp16
+    in, fp32 out; D's old value is dropped where `accumulate` is 0."""
+    nd = columns // 2
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
     regs = ",".join(f"%{i}" for i in range(nd))
     return ("__device__ __forceinline__ void wgmma(float* d, const unsigned* a, unsigned long long b, int acc) {\n"
             f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n"\n'
-            f'        "wgmma.mma_async.sync.aligned.m64n{pixels}k16.f32.f16.f16 {{{regs}}}, '
-            f'{{%{nd},%{nd + 1},%{nd + 2},%{nd + 3}}}, %{nd + 4}, p, 1, 1, 0;\\n}}\\n"\n'
+            f'        "wgmma.mma_async.sync.aligned.m64n{columns}k16.f32.f16.f16 {{{regs}}}, '
+            f'{{%{nd},%{nd + 1},%{nd + 2},%{nd + 3}}}, %{nd + 4}, p, 1, 1, {int(n_major)};\\n}}\\n"\n'
             f"        : {outs}\n"
             '        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));\n}\n')
-
-
-def wgmma_t_source(columns: int) -> str:
-    """`wgmma_t(d, a, b)`: D[64 x columns] += A (registers) B (descriptor, N-major), fp16 in, fp32 out."""
-    nd = columns // 2
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
-    regs = ",".join(f"%{i}" for i in range(nd))
-    return ("__device__ __forceinline__ void wgmma_t(float* d, const unsigned* a, unsigned long long b) {\n"
-            '    asm volatile("{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n"\n'
-            f'        "wgmma.mma_async.sync.aligned.m64n{columns}k16.f32.f16.f16 {{{regs}}}, '
-            f'{{%{nd},%{nd + 1},%{nd + 2},%{nd + 3}}}, %{nd + 4}, p, 1, 1, 1;\\n}}\\n"\n'
-            f"        : {outs}\n"
-            '        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));\n}\n')
 
 
 def pixels(shape: StemShape) -> int:
@@ -402,18 +390,18 @@ class StemWgmma:
             raise ValueError(f"wgmma needs compute capability 9.0, not {device.compute_capability}")
         m = shape.layout
         defines = {**m, "NTHREADS": THREADS, "NW": pixels(shape), "YS": shape.k + 8, "RING": shape.r + shape.sh,
-                   "BIAS": int(bias), "RELU": int(relu), "HALF_ONE": 0x3C00}
+                   "BIAS": int(bias), "RELU": int(relu), "HALF_ONE": HALF_ONE}
         source = "".join(f"#define {name} {value}\n" for name, value in defines.items()) + COMMON
         sms = device.attributes["MultiProcessorCount"]
         self.kind, self.units, self.shared = kind, shape.n * shape.p, shared_bytes(shape)
         self.sum_partials = sum_partials
         if kind == "conv":
-            self.fn = hopper_kernel(source + FORWARD.replace("WGMMA_DEF", wgmma_source(pixels(shape))),
+            self.fn = hopper_kernel(source + FORWARD.replace("WGMMA_DEF", wgmma_source(pixels(shape), False)),
                                     "stem_fwd_wgmma")
             self.grids = [min(self.units, 2 * sms)]  # two CTAs an SM (registers), each a contiguous run of rows
             self.candidates = [("stem:wgmma", 0)]
             return
-        self.fn = hopper_kernel(source + WEIGHT_GRADIENT.replace("WGMMA_T_DEF", wgmma_t_source(m["JP"])),
+        self.fn = hopper_kernel(source + WEIGHT_GRADIENT.replace("WGMMA_DEF", wgmma_source(m["JP"], True)),
                                 "stem_wgrad_wgmma")
         self.grids = sorted({min(self.units, per_sm * sms) for per_sm in (1, 2)})
         self.partial_bytes = 4 * shape.k * shape.r * m["JP"]  # a CTA's
@@ -421,8 +409,9 @@ class StemWgmma:
 
     def launch(self, index: int, a, b, out, workspace, bias=None) -> None:
         """conv: (x, w) -> y; conv_bwd_filter: (x, dy) -> dw."""
-        if a.data.ptr % 16 or (self.kind == "conv_bwd_filter" and b.data.ptr % 16):
-            raise ValueError("x and dy must start on a 16-byte boundary")
+        rows = (a, out) if self.kind == "conv" else (a, b)  # read or written in 16-byte pieces
+        if any(t.data.ptr % 16 for t in rows):
+            raise ValueError("x and y (dy) must start on a 16-byte boundary")
         grid = self.grids[index]
         if self.kind == "conv":
             self.fn((grid,), (THREADS,), (a, b, out if bias is None else bias, out, i32(self.units)),
