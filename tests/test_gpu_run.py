@@ -89,6 +89,9 @@ def _capped_plan(graph, profile, device, recompute: bool):
         except CapTooSmall:
             return None
 
+    def forced(plan) -> bool:
+        return bool(plan.copies) or any(op.recompute_of for op in plan.ops)
+
     met = too_small = None
     for twentieths in range(18, 3, -1):
         cap = full.totals.resident_bytes + activations * twentieths // 20 + DRIVER_PAGE_BYTES
@@ -96,7 +99,7 @@ def _capped_plan(graph, profile, device, recompute: bool):
         if plan is None:
             too_small = cap
             break
-        if plan.copies or any(op.recompute_of for op in plan.ops):
+        if forced(plan):
             return plan
         met = cap
     for _ in range(6 if met and too_small else 0):
@@ -104,7 +107,7 @@ def _capped_plan(graph, profile, device, recompute: bool):
         plan = attempt(cap)
         if plan is None:
             too_small = cap
-        elif plan.copies or any(op.recompute_of for op in plan.ops):
+        elif forced(plan):
             return plan
         else:
             met = cap
