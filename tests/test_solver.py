@@ -513,6 +513,21 @@ def test_a_prefetch_leaves_room_for_the_jobs_before_its_readers():
     assert found is not None and peak_memory(p, found.decision, timed(p, found))[0] <= 2560
 
 
+def test_where_nothing_fits_at_the_slack_given_the_heuristic_searches_at_larger_ones():
+    """b3, the first backward op, runs in 4 ticks with 1000 bytes of workspace or in 5 with none. At slack 1.0 it
+    waits for room for the workspace while a0's copy back comes in, and goes ahead over the cap 3100 whatever is
+    offloaded; at 1.3 it takes the lean way at once, and offloads fit (the GPU tests' small training network at
+    batch 512 on the H200: no capped plan without recomputations found, the heuristic being the only solver
+    there)."""
+    p = chain_problem(4)
+    p.ops[4].alternatives = [Alternative("fast", 4.0, 4, 1000, 100), Alternative("lean", 5.0, 5, 0, 100)]
+    assert fit_slack(p, 4) == 1.0
+    assert fit_cap(p, 3100, 4, slack=1.0) is None and fit_cap(p, 3100, 4, slack=1.3) is not None
+    found = best_heuristic(p, 3100, 4, 1.0)
+    assert found is not None and found.decision and found.alt[4] == 1
+    assert peak_memory(p, found.decision, timed(p, found))[0] <= 3100
+
+
 @pytest.mark.parametrize("depth,cap", [(6, 3500), (6, 2600), (10, 4000)])
 def test_a_cap_below_keeping_everything_offloads_or_recomputes_and_checks(depth, cap):
     p = chain_problem(depth)
