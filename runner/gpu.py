@@ -14,6 +14,12 @@ def gpu() -> SimpleNamespace:
     return SimpleNamespace(cp=cupy, cudnn=cudnn)
 
 
+def device_pointer(array) -> int:
+    """A CuPy array's device address (0 for None). cuDNN frontend's execute takes addresses as they are; given
+    an array it first asks whether it is a torch tensor, which imports torch wherever torch is installed."""
+    return 0 if array is None else array.data.ptr
+
+
 def cudnn_dtype(dtype: str):
     cudnn = gpu().cudnn
     return {"fp16": cudnn.data_type.HALF, "fp32": cudnn.data_type.FLOAT}[dtype]

@@ -11,14 +11,18 @@ accumulates in fp32 and needs no fp16 headers.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from abc import ABC, abstractmethod
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
+from planner.files import atomic_write_bytes
 from runner.gpu import gpu
 
 NUMPY_DTYPE = {"fp16": np.float16, "fp32": np.float32, "int64": np.int64, "uint8": np.uint8}
@@ -196,19 +200,35 @@ def kernel(source: str, name: str, dtype: str = "fp32"):
 @lru_cache(maxsize=None)
 def hopper_kernel(source: str, name: str):
     """Kernel `name` of `source` (fp16 storage) for sm_90a, the target Hopper's wgmma instructions need (CuPy
-    compiles for sm_90): NVRTC directly, the cubin loaded as a module; a source it refuses raises ValueError."""
+    compiles for sm_90): NVRTC directly, the cubin loaded as a module; a source it refuses raises ValueError.
+    Cubins are kept in CuPy's kernel cache directory (CUPY_CACHE_DIR) by source, options and NVRTC version: each
+    compiles in about 2 s, which every `planner run` of a plan with them paid."""
     from cupy_backends.cuda.libs import nvrtc
 
     cp = gpu().cp
-    program = nvrtc.createProgram(f"#define T half_bits\n{PRELUDE}\n{source}", f"{name}.cu", [], [])
+    text = f"#define T half_bits\n{PRELUDE}\n{source}"
+    options = ["--gpu-architecture=sm_90a", "--std=c++14", "-ftz=true"]
+    key = hashlib.sha256(repr((text, options, nvrtc.getVersion())).encode()).hexdigest()
+    path = Path(os.environ.get("CUPY_CACHE_DIR", "~/.cupy/kernel_cache")).expanduser() / f"hopper_{key}.cubin"
     try:
-        nvrtc.compileProgram(program, ["--gpu-architecture=sm_90a", "--std=c++14", "-ftz=true"])
-        module = cp.cuda.function.Module()
-        module.load(nvrtc.getCUBIN(program))
-    except nvrtc.NVRTCError as e:
-        raise ValueError(f"{name}: {e}: {nvrtc.getProgramLog(program)[:500]}") from e
-    finally:
-        nvrtc.destroyProgram(program)
+        cubin = path.read_bytes()
+    except OSError:
+        cubin = None
+    if not cubin:
+        program = nvrtc.createProgram(text, f"{name}.cu", [], [])
+        try:
+            nvrtc.compileProgram(program, options)
+            cubin = nvrtc.getCUBIN(program)
+        except nvrtc.NVRTCError as e:
+            raise ValueError(f"{name}: {e}: {nvrtc.getProgramLog(program)[:500]}") from e
+        finally:
+            nvrtc.destroyProgram(program)
+        try:
+            atomic_write_bytes(path, cubin)
+        except OSError:
+            pass  # a cache that cannot be written: compiled again next time
+    module = cp.cuda.function.Module()
+    module.load(cubin)
     return module.get_function(name)  # the Function holds its module
 
 

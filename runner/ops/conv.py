@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from runner.gpu import cudnn_dtype, gpu
+from runner.gpu import cudnn_dtype, device_pointer, gpu
 from runner.ops.common import THREADS, WANTED_ALGORITHM, Alternatives, blocks_for, check_index_range, i32, kernel
 from runner.ops.stem import StemConv, stem_shape
 from runner.ops.stem import applies as stem_applies
@@ -143,8 +143,9 @@ class ConvOp:
     def launch(self, index: int, a, b, out, workspace, epilogue=()) -> None:
         """a, b: the two inputs (x, w | dy, w | x, dy) and out, as CuPy arrays with NHWC strides; epilogue: the
         bias and residual arrays the graph reads."""
-        tensors = {self.x: a, self.w: b, self.y: out, **dict(zip(self.epilogue, epilogue))}
-        self.graph.execute_plan_at_index(tensors, workspace, index, handle=self.handle)
+        arrays = {self.x: a, self.w: b, self.y: out, **dict(zip(self.epilogue, epilogue))}
+        tensors = {t: device_pointer(array) for t, array in arrays.items()}
+        self.graph.execute_plan_at_index(tensors, device_pointer(workspace), index, handle=self.handle)
 
 
 def conv_epilogue(y, bias, z, channels: int, relu: bool, dtype: str) -> None:

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from runner.gpu import cudnn_dtype, gpu
+from runner.gpu import cudnn_dtype, device_pointer, gpu
 from runner.ops.common import (
     Alternatives, SingleKernelOp, TensorSpec, check_index_range, f32, i32, kernel, launch_1d, vector_width,
 )
@@ -342,9 +342,9 @@ class CudnnBatchNorm:
         self.candidates = [(f"cudnn:{name}", workspace) for _, name, workspace in plans]
 
     def launch(self, index: int, inputs: list, outputs: list, workspace) -> None:
-        pack = {t: a.data.ptr for t, a in zip(self.ins + self.outs, inputs + outputs)}
+        pack = {t: device_pointer(a) for t, a in zip(self.ins + self.outs, inputs + outputs)}
         pack |= {t: host.ctypes.data for t, host in self.host_scalars.items()}
-        self.graph.execute_plan_at_index(pack, workspace, self.plan_index[index], handle=self.handle)
+        self.graph.execute_plan_at_index(pack, device_pointer(workspace), self.plan_index[index], handle=self.handle)
 
 
 class Lrn(SingleKernelOp):
