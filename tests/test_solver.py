@@ -516,9 +516,9 @@ def test_a_prefetch_leaves_room_for_the_jobs_before_its_readers():
 def test_where_nothing_fits_at_the_slack_given_the_heuristic_searches_at_larger_ones():
     """b3, the first backward op, runs in 4 ticks with 1000 bytes of workspace or in 5 with none. At slack 1.0 it
     waits for room for the workspace while a copy back comes in (the latest offloaded a_i's), then goes ahead over
-    the cap 3100 whatever is offloaded; at 1.3 it takes the lean way at once, and offloads fit (the GPU tests' small training network at
-    batch 512 on the H200: no capped plan without recomputations found, the heuristic being the only solver
-    there)."""
+    the cap 3100 whatever is offloaded; at 1.3 it takes the lean way at once, and offloads fit (the GPU tests'
+    small training network at batch 512 on the H200: no capped plan without recomputations found, the heuristic
+    being the only solver there)."""
     p = chain_problem(4)
     p.ops[4].alternatives = [Alternative("fast", 4.0, 4, 1000, 100), Alternative("lean", 5.0, 5, 0, 100)]
     assert fit_slack(p, 4) == 1.0
