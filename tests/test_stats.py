@@ -2,9 +2,13 @@
 
 from pathlib import Path
 
+import itertools
+
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from planner.onnx_import import import_onnx
@@ -36,6 +40,38 @@ def test_width_and_critical_path_of_parallel_branches(tmp_path, branches):
     ops_on_path, flops = critical_path(g)
     assert ops_on_path == 4  # relu, one conv, concat, relu
     assert flops == g.nodes[0].flops + g.nodes[1].flops + g.nodes[-2].flops + g.nodes[-1].flops
+
+
+def _random_dag_model(tmp_path, inputs: list[tuple[int, int]]):
+    """Op i is Relu of op a's output or, where b differs, Add of ops a's and b's (a, b < i; op -1 is x); outputs
+    nothing reads are the graph's outputs."""
+    names, nodes, read = ["x"], [], set()
+    for i, (a, b) in enumerate(inputs):
+        a, b = names[a % len(names)], names[b % len(names)]
+        nodes.append(helper.make_node("Relu", [a], [f"y{i}"]) if a == b else helper.make_node("Add", [a, b], [f"y{i}"]))
+        read |= {a, b}
+        names.append(f"y{i}")
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names[1:] if n not in read]
+    graph = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 2, 2])],
+                              outputs)
+    path = tmp_path / "dag.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99)), min_size=1, max_size=10))
+def test_width_is_the_largest_set_of_ops_no_path_joins(tmp_path_factory, inputs):
+    g = import_onnx(_random_dag_model(tmp_path_factory.mktemp("dag"), inputs), batch=2)
+    preds = g.predecessors()
+    names = [n.name for n in g.nodes]
+    ancestors: dict[str, set[str]] = {}
+    for name in names:  # nodes are in topological order
+        ancestors[name] = set(preds[name]).union(*(ancestors[p] for p in preds[name]))
+    joined = lambda a, b: a in ancestors[b] or b in ancestors[a]  # noqa: E731
+    largest = max(k for k in range(1, len(names) + 1) for group in itertools.combinations(names, k)
+                  if not any(joined(a, b) for a, b in itertools.combinations(group, 2)))
+    assert width(g) == largest
 
 
 def test_serial_peak_by_hand(tmp_path):
