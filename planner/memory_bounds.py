@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.sparse as sparse
 
 from planner.chain_fill import LP, Filler, add_chain_fill, chain_and_fillers
 from planner.co_running import area_rate
@@ -37,10 +38,43 @@ def memory_lower_bound(p: Problem) -> tuple[int, str]:
 
 def cuts(p: Problem, dag: Dag, anc: np.ndarray) -> list[Cut]:
     """A `Cut` at each op every path passes through: each other op is its ancestor or its descendant, so none
-    runs beside it."""
+    runs beside it. One sparse product per kind of use tells, for every tensor and cut op v at once, whether one
+    of its writers (early readers, late readers) is v or runs before it, or is v or runs after it (DenseNet-121
+    training b32: 0.04 s, where a loop over the tensors at each cut took 1.2)."""
     related = (anc | anc.T).sum(axis=1)
+    at = np.flatnonzero(related == len(anc) - 1)
+    if not at.size:
+        return []
     pos = {op: k for k, op in enumerate(dag.order)}
-    return [Cut.at(p, dag, anc, pos, int(v)) for v in np.flatnonzero(related == len(anc) - 1)]
+    itself = np.arange(len(anc))[:, None] == at
+    up = (anc[at].T | itself).astype(np.int32)  # up[u, i]: u is cut op i or one of its ancestors
+    down = (anc[:, at] | itself).astype(np.int32)  # down[w, i]: w is cut op i or a descendant
+
+    def uses(ops_of) -> sparse.csr_matrix:
+        rows = [(t, pos[u]) for t, tu in enumerate(p.tensors) for u in ops_of(tu)]
+        r, c = zip(*rows) if rows else ((), ())
+        return sparse.csr_matrix((np.ones(len(rows), dtype=np.int32), (r, c)), shape=(len(p.tensors), len(anc)))
+
+    writers, early, late = uses(lambda tu: tu.writers), uses(lambda tu: tu.early), uses(lambda tu: tu.late)
+    written_before = (writers @ up > 0) | (writers.getnnz(axis=1) == 0)[:, None]
+    used_after = (writers + early) @ down > 0
+    read_late_after = late @ down > 0
+    late_before = late @ up > 0
+    is_output = np.array([tu.is_output for tu in p.tensors], dtype=bool)[:, None]
+    choosable = np.array([tu.choosable for tu in p.tensors], dtype=bool)[:, None]
+    live = written_before & (is_output | used_after | read_late_after)  # made before the cut op, used after
+    away = live & choosable & ~used_after & ~late_before
+    bytes_ = np.array([tu.bytes for tu in p.tensors], dtype=np.int64)
+    out = []
+    for i, v in enumerate(at):
+        op = p.ops[dag.order[v]]
+        own = np.zeros(len(p.tensors), dtype=bool)
+        own[list({*op.reads, *op.writes})] = True
+        gone = away[:, i] & ~own
+        held = (p.resident_bytes + min(a.workspace_bytes for a in op.alternatives) + int(bytes_[own].sum())
+                + int(bytes_[live[:, i] & ~own & ~gone].sum()))
+        out.append(Cut(int(v), held, np.flatnonzero(gone).tolist(), int(bytes_[gone].sum())))
+    return out
 
 
 @dataclass
@@ -59,23 +93,6 @@ class Cut:
     def excess_bytes(self, cap_bytes: int) -> int:
         """What the cap forces off the device here (at most away_bytes when the cap is at least held_bytes)."""
         return self.held_bytes + self.away_bytes - cap_bytes
-
-    @classmethod
-    def at(cls, p: Problem, dag: Dag, anc: np.ndarray, pos: dict[int, int], v: int) -> Cut:
-        op = p.ops[dag.order[v]]
-        before = lambda ops: any(pos[u] == v or anc[v, pos[u]] for u in ops)  # noqa: E731
-        after = lambda ops: any(pos[u] == v or anc[pos[u], v] for u in ops)  # noqa: E731
-        held = p.resident_bytes + min(a.workspace_bytes for a in op.alternatives)
-        away = []
-        for t, tu in enumerate(p.tensors):
-            if t in op.reads or t in op.writes:
-                held += tu.bytes
-            elif (not tu.writers or before(tu.writers)) and (tu.is_output or after(tu.writers + tu.early + tu.late)):
-                if tu.choosable and not after(tu.writers + tu.early) and not before(tu.late):
-                    away.append(t)
-                else:
-                    held += tu.bytes
-        return cls(v, held, away, sum(p.tensors[t].bytes for t in away))
 
 
 def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: np.ndarray, tails: np.ndarray,
