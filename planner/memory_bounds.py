@@ -64,16 +64,16 @@ def cuts(p: Problem, dag: Dag, anc: np.ndarray) -> list[Cut]:
     choosable = np.array([tu.choosable for tu in p.tensors], dtype=bool)[:, None]
     live = written_before & (is_output | used_after | read_late_after)  # made before the cut op, used after
     away = live & choosable & ~used_after & ~late_before
-    bytes_ = np.array([tu.bytes for tu in p.tensors], dtype=np.int64)
+    size_bytes = np.array([tu.bytes for tu in p.tensors], dtype=np.int64)
     out = []
     for i, v in enumerate(at):
         op = p.ops[dag.order[v]]
         own = np.zeros(len(p.tensors), dtype=bool)
         own[list({*op.reads, *op.writes})] = True
         gone = away[:, i] & ~own
-        held = (p.resident_bytes + min(a.workspace_bytes for a in op.alternatives) + int(bytes_[own].sum())
-                + int(bytes_[live[:, i] & ~own & ~gone].sum()))
-        out.append(Cut(int(v), held, np.flatnonzero(gone).tolist(), int(bytes_[gone].sum())))
+        held = (p.resident_bytes + min(a.workspace_bytes for a in op.alternatives) + int(size_bytes[own].sum())
+                + int(size_bytes[live[:, i] & ~own & ~gone].sum()))
+        out.append(Cut(int(v), held, np.flatnonzero(gone).tolist(), int(size_bytes[gone].sum())))
     return out
 
 

@@ -1,8 +1,7 @@
 """Graph statistics: serial peak memory, critical path and width on graphs whose answers are known."""
 
-from pathlib import Path
-
 import itertools
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -43,8 +42,8 @@ def test_width_and_critical_path_of_parallel_branches(tmp_path, branches):
 
 
 def _random_dag_model(tmp_path, inputs: list[tuple[int, int]]):
-    """Op i is Relu of op a's output or, where b differs, Add of ops a's and b's (a, b < i; op -1 is x); outputs
-    nothing reads are the graph's outputs."""
+    """Op i is Relu of an earlier output (x's or an op's, picked by a) or, where b picks another, Add of the two;
+    outputs nothing reads are the graph's outputs."""
     names, nodes, read = ["x"], [], set()
     for i, (a, b) in enumerate(inputs):
         a, b = names[a % len(names)], names[b % len(names)]
