@@ -168,33 +168,37 @@ template <int V, bool UNIT> __device__ void maxpool_bwd_groups(const unsigned ch
     }
 }
 
-// the same at dilation 1 for a K x K window at stride S: an element lies in at most R = ceil(K / S) window rows
-// and columns, the last covering one first, so the loop unrolls and its loads issue together (GoogLeNet's maxpool1
-// on H200: 52.2 -> 47.5 us); the same windows in the same order, so the same sums
+// the K x K windows at stride S (dilation 1) that cover element (h, w), the last covering one first, as
+// maxpool_bwd_groups walks them: at most R = ceil(K / S) rows and columns of them, unrolled so that their loads
+// issue together; BODY sees the window (p, q) and the element's tap in it (di, dj)
+#define FOR_COVERING(K, S, BODY) { \
+    int hp = h + pt, wp = w + pl, p1 = min(P - 1, hp / S), q1 = min(Q - 1, wp / S); \
+    _Pragma("unroll") for (int a = 0; a < (K + S - 1) / S; ++a) { \
+        int p = p1 - a, di = hp - p * S; \
+        _Pragma("unroll") for (int d = 0; d < (K + S - 1) / S; ++d) { \
+            int q = q1 - d, dj = wp - q * S; \
+            if (p < 0 || di >= K || q < 0 || dj >= K) continue; \
+            BODY \
+        } \
+    } \
+}
+
+// maxpool_bwd_groups for a fixed window: the same windows in the same order, so the same sums (GoogLeNet's
+// maxpool1 on H200: 52.2 -> 47.5 us)
 template <int V, int K, int S> __device__ void maxpool_bwd_fixed(const unsigned char* arg, const T* dy, T* dx, int n,
                                                                  int C, int H, int W, int P, int Q, int pt, int pl) {
-    const int R = (K + S - 1) / S;
     GRID_LOOP(i, n) {
         GROUP_IN(V)
-        int hp = h + pt, wp = w + pl, p1 = min(P - 1, hp / S), q1 = min(Q - 1, wp / S);
         float acc[V], grad[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) acc[e] = 0.f;
-#pragma unroll
-        for (int a = 0; a < R; ++a) {
-            int p = p1 - a, di = hp - p * S;
-#pragma unroll
-            for (int d = 0; d < R; ++d) {
-                int q = q1 - d, dj = wp - q * S;
-                if (p < 0 || di >= K || q < 0 || dj >= K) continue;
-                int o = Y_AT(p, q);
-                Taps<V> taps = *reinterpret_cast<const Taps<V>*>(arg + o);
-                unsigned char want = di * K + dj;
-                ldv<V>(dy, o, grad);
-#pragma unroll
-                for (int e = 0; e < V; ++e) if (taps.tap[e] == want) acc[e] += grad[e];
-            }
-        }
+        FOR_COVERING(K, S,
+            int o = Y_AT(p, q);
+            Taps<V> taps = *reinterpret_cast<const Taps<V>*>(arg + o);
+            unsigned char want = di * K + dj;
+            ldv<V>(dy, o, grad);
+            _Pragma("unroll") for (int e = 0; e < V; ++e) if (taps.tap[e] == want) acc[e] += grad[e];
+        )
         stv<V>(dx, X_AT(h, w), acc);
     }
 }
@@ -274,29 +278,19 @@ template <int V> __device__ void avgpool_bwd_groups(const T* dy, T* dx, int n, G
     }
 }
 
-// the same for a K x K window at stride S, unrolled as maxpool_bwd_fixed (same windows, same order, same sums)
+// avgpool_bwd_groups for a fixed window: the same windows in the same order, so the same sums
 template <int V, int K, int S> __device__ void avgpool_bwd_fixed(const T* dy, T* dx, int n, GEOMETRY, int pt, int pl,
                                                                  int pb, int pr, int include_pad) {
-    const int R = (K + S - 1) / S;
     GRID_LOOP(i, n) {
         GROUP_IN(V)
-        int hp = h + pt, wp = w + pl, p1 = min(P - 1, hp / S), q1 = min(Q - 1, wp / S);
         float acc[V], grad[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) acc[e] = 0.f;
-#pragma unroll
-        for (int a = 0; a < R; ++a) {
-            int p = p1 - a;
-#pragma unroll
-            for (int d = 0; d < R; ++d) {
-                int q = q1 - d;
-                if (p < 0 || hp - p * S >= K || q < 0 || wp - q * S >= K) continue;
-                float scale = 1.f / avg_count(p * S - pt, q * S - pl, K, K, H, W, pt, pl, pb, pr, include_pad);
-                ldv<V>(dy, Y_AT(p, q), grad);
-#pragma unroll
-                for (int e = 0; e < V; ++e) acc[e] += grad[e] * scale;
-            }
-        }
+        FOR_COVERING(K, S,
+            float scale = 1.f / avg_count(p * S - pt, q * S - pl, K, K, H, W, pt, pl, pb, pr, include_pad);
+            ldv<V>(dy, Y_AT(p, q), grad);
+            _Pragma("unroll") for (int e = 0; e < V; ++e) acc[e] += grad[e] * scale;
+        )
         stv<V>(dx, X_AT(h, w), acc);
     }
 }
