@@ -21,8 +21,10 @@ SRC = r"""
 #define X_AT(hh, ww) (((b * H + (hh)) * W + (ww)) * C + c)
 #define Y_AT(pp, qq) (((b * P + (pp)) * Q + (qq)) * C + c)
 #define GEOMETRY int C, int H, int W, int P, int Q, int kh, int kw, int sh, int sw
+#define SQUARE_WINDOW(K, S) (kh == K && kw == K && sh == S && sw == S)  // a K x K window at stride S
 #define MAX_GEOMETRY GEOMETRY, int dh, int dw, int pt, int pl
 #define MAX_ARGS C, H, W, P, Q, kh, kw, sh, sw, dh, dw, pt, pl
+#define FIXED_WINDOW(K, S) (SQUARE_WINDOW(K, S) && dh == 1 && dw == 1)
 // Max pooling reads 16 bytes a thread (V = VEC elements of one pixel's channels) when C and alignment allow, else
 // one element: i counts groups, c is the group's first channel. The 16-byte path works on 32-bit words with
 // packed instructions (two halves a word in fp16): the kernels were compute-bound, converting and comparing
@@ -217,7 +219,6 @@ extern "C" __global__ void maxpool_argmax_vec(const T* x, unsigned char* arg, in
     if (kh == 3 && kw == 3) maxpool_argmax_words<3>(x, arg, n, MAX_ARGS);
     else maxpool_argmax_words<0>(x, arg, n, MAX_ARGS);
 }
-#define FIXED_WINDOW(K, S) (kh == K && kw == K && sh == S && sw == S && dh == 1 && dw == 1)
 #define MAXPOOL_BWD(SUFFIX, V) \
 extern "C" __global__ void maxpool_bwd##SUFFIX(const unsigned char* arg, const T* dy, T* dx, int n, MAX_GEOMETRY) { \
     if (FIXED_WINDOW(3, 2)) maxpool_bwd_fixed<V, 3, 2>(arg, dy, dx, n, C, H, W, P, Q, pt, pl); \
@@ -305,8 +306,8 @@ extern "C" __global__ void avgpool_fwd##SUFFIX(const T* x, T* y, int n, GEOMETRY
 } \
 extern "C" __global__ void avgpool_bwd##SUFFIX(const T* dy, T* dx, int n, GEOMETRY, int pt, int pl, int pb, int pr, \
                                                int include_pad) { \
-    if (kh == 3 && kw == 3 && sh == 1 && sw == 1) avgpool_bwd_fixed<V, 3, 1>(dy, dx, n, AVG_ARGS); \
-    else if (kh == 2 && kw == 2 && sh == 2 && sw == 2) avgpool_bwd_fixed<V, 2, 2>(dy, dx, n, AVG_ARGS); \
+    if (SQUARE_WINDOW(3, 1)) avgpool_bwd_fixed<V, 3, 1>(dy, dx, n, AVG_ARGS); \
+    else if (SQUARE_WINDOW(2, 2)) avgpool_bwd_fixed<V, 2, 2>(dy, dx, n, AVG_ARGS); \
     else avgpool_bwd_groups<V>(dy, dx, n, AVG_ARGS); \
 }
 AVGPOOL(_1, 1)
