@@ -263,8 +263,8 @@ def test_in_place_kinds_also_write_separate_outputs(gpu_ctx, kind):
 @pytest.mark.parametrize("strides,pads", [((1, 1), (1, 1, 1, 1)), ((2, 2), (0, 0, 0, 0))], ids=["s1", "s2"])
 def test_max_pooling_ties_and_nans_follow_the_reference(gpu_ctx, dtype, channels, strides, pads):
     """After a ReLU most windows hold several equal maxima: the gradient goes to the first (the reference's argmax),
-    never to two; a NaN in a window makes its maximum NaN, as numpy's max. Both on 16-byte words and one element a
-    thread."""
+    never to two, in every gradient candidate; a NaN in a window makes its maximum NaN, as numpy's max. Both on 16-byte
+    words and one element a thread."""
     from runner.ops import OPS
     from runner.ops.common import device_empty, spec, to_device
 
@@ -283,18 +283,22 @@ def test_max_pooling_ties_and_nans_follow_the_reference(gpu_ctx, dtype, channels
         bwd = OPS["maxpool_bwd"](attrs, [x_spec, y_spec], [x_spec], handle)
         xd, dyd = to_device(values, x_spec), to_device(dy, y_spec)
         y, dx = device_empty(y_spec), device_empty(x_spec)
-        workspace = cp.full(bwd.candidates[0][1], 0xFF, cp.uint8)
         with stream:
             fwd.launch(0, [xd], [y], None)
-            bwd.launch(0, [xd, dyd], [dx], workspace)
             stream.synchronize()
         want_y = REFERENCE["maxpool"]([values], attrs)[0]
         got_y = cp.asnumpy(y).astype(np.float64)
         assert np.array_equal(np.isnan(got_y), np.isnan(want_y)) and np.any(np.isnan(want_y)) != check_bwd
         assert np.array_equal(got_y[~np.isnan(want_y)], want_y[~np.isnan(want_y)])
-        if check_bwd:
-            dy_rounded = cp.asnumpy(dyd).astype(np.float64)
-            want_dx = REFERENCE["maxpool_bwd"]([values, dy_rounded], attrs)[0]
+        if not check_bwd:
+            continue
+        dy_rounded = cp.asnumpy(dyd).astype(np.float64)
+        want_dx = REFERENCE["maxpool_bwd"]([values, dy_rounded], attrs)[0]
+        assert len(bwd.candidates) == 2  # these windows also offer the 2x2 blocks
+        for index, (_, workspace_bytes) in enumerate(bwd.candidates):
+            with stream:
+                bwd.launch(index, [xd, dyd], [dx], cp.full(workspace_bytes, 0xFF, cp.uint8))
+                stream.synchronize()
             np.testing.assert_allclose(cp.asnumpy(dx).astype(np.float64), want_dx, rtol=2e-3, atol=2e-3)
 
 

@@ -239,23 +239,24 @@ def test_prune_keeps_pareto_front_and_fastest():
 
 
 def test_an_entry_measured_before_an_implementation_existed_is_measured_again(tmp_path):
-    """The stem kernels (runner/ops/stem.py) take GoogLeNet's first conv and its weight gradient in fp16: entries
-    stored without them are measured again, once; the rest of the store stays as it is."""
+    """The stem kernels (runner/ops/stem.py) take GoogLeNet's first conv and its weight gradient in fp16, the 2x2
+    blocks its max-pool gradients: entries stored without them are measured again, once; the rest of the store
+    stays as it is."""
     from planner.cli import DType, load_graph
     from runner.ops import implementations
 
     graph = load_graph(MODELS / "googlenet.train.onnx", 2, DType("fp16"), True)
     offered = lambda node: implementations(graph, node)  # noqa: E731
-    stem = {n.signature for n in graph.nodes if offered(n)}
-    assert {n.kind for n in graph.nodes if n.signature in stem} == {"conv", "conv_bwd_filter"}
+    newer = {n.signature: offered(n) for n in graph.nodes if offered(n)}
+    assert {n.kind for n in graph.nodes if n.signature in newer} == {"conv", "conv_bwd_filter", "maxpool_bwd"}
     store = ProfileStore(tmp_path, H100, estimated=True)
     profile_graph(graph, store, Counter(graph))
     measured = ProfileStore(tmp_path / "m", MEASURED)
     measured.put_many(op.model_copy(update={"estimated": False, "timing": TIMING})
                       for op in store.assemble(graph).ops.values() if op.kind != "reshape")
-    assert measured.missing(graph) == [] and set(measured.missing(graph, offered)) == stem
+    assert measured.missing(graph) == [] and set(measured.missing(graph, offered)) == set(newer)
     counter = Counter(graph)
     profile_graph(graph, measured, lambda nodes: (op.model_copy(update={
-        "estimated": False, "timing": TIMING, "implementations": ["stem", "stem_wgmma"]}) for op in counter(nodes)),
+        "estimated": False, "timing": TIMING, "implementations": newer[op.signature]}) for op in counter(nodes)),
         offered=offered)
-    assert set(counter.seen) == stem and measured.missing(graph, offered) == []
+    assert set(counter.seen) == set(newer) and measured.missing(graph, offered) == []

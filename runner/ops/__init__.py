@@ -54,10 +54,11 @@ def node_specs(graph, node) -> tuple[list[TensorSpec], list[TensorSpec]]:
 
 
 def implementations(graph, node) -> list[str]:
-    """The implementations the registry offers a node only where they apply (today the stem kernels, beside
-    cuDNN's engines): a profile entry measured before one of them existed is measured again
-    (OpProfile.implementations)."""
-    return conv.offered(node.kind, node.attrs, *node_specs(graph, node))
+    """The implementations the registry offers a node only where they apply (the stem kernels beside cuDNN's
+    engines, the pooling gradients' 2x2 blocks): a profile entry measured before one of them existed is measured
+    again (OpProfile.implementations)."""
+    specs = node_specs(graph, node)
+    return conv.offered(node.kind, node.attrs, *specs) + pool.offered(node.kind, node.attrs, *specs)
 
 
 def build_op(graph, node, handle, algorithm: str | None = None):

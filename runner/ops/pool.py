@@ -4,7 +4,8 @@ count_include_pad counting the explicit pads only.
 
 Threads map to consecutive channels, so every load is coalesced; each thread takes a group of channels read
 with 16-byte accesses (eight fp16 values) when the channel count and alignment allow. Gradients gather rather
-than scatter: each dx element sums the windows that cover it, so there are no atomics and no zero-fill.
+than scatter: each dx element sums the windows that cover it, so there are no atomics and no zero-fill; for the
+common windows a second candidate gathers a 2x2 block of elements a thread, reading each window once.
 maxpool_bwd first records each window's first maximum (row-major order, as the reference's argmax) in the
 workspace, then gathers.
 """
@@ -205,6 +206,61 @@ template <int V, int K, int S> __device__ void maxpool_bwd_fixed(const unsigned 
     }
 }
 
+// dx of an R x R block of elements a thread, for a K x K window at stride S (dilation 1): the windows covering
+// the block, at most (R + K - 2) / S + 1 rows and columns of them, unrolled so that their loads issue together,
+// are read once each rather than once for each element they cover (R = 2: 3x3/2 reads 4 windows for 4 elements,
+// not 9; 3x3/1 16, not 36). Windows run from the last one back, so each element sums its windows in
+// maxpool_bwd_groups' order: the same sums. (R = 1 would be maxpool_bwd_fixed, whose code runs 2-10% faster.)
+#define BLOCK_IN(V, R) int g = i % (C / V), t = i / (C / V), WB = (W + R - 1) / R, HB = (H + R - 1) / R; \
+    int w0 = t % WB * R; t /= WB; int h0 = t % HB * R, b = t / HB, c = g * V;
+// BODY sees each window (p, q) that covers an element of the block
+#define FOR_BLOCK_WINDOWS(K, S, R, BODY) { \
+    int p1 = min(P - 1, (h0 + R - 1 + pt) / S), q1 = min(Q - 1, (w0 + R - 1 + pl) / S); \
+    _Pragma("unroll") for (int a = 0; a < (R + K - 2) / S + 1; ++a) { \
+        int p = p1 - a; \
+        if (p < 0 || p * S - pt + K <= h0) continue; \
+        _Pragma("unroll") for (int d = 0; d < (R + K - 2) / S + 1; ++d) { \
+            int q = q1 - d; \
+            if (q < 0 || q * S - pl + K <= w0) continue; \
+            BODY \
+        } \
+    } \
+}
+// BODY sees each element (r, s) of the block that window (p, q) covers, and its tap (di, dj) in the window
+#define FOR_COVERED(K, S, R, BODY) \
+    _Pragma("unroll") for (int r = 0; r < R; ++r) { \
+        int di = h0 + r + pt - p * S; \
+        if (di < 0 || di >= K) continue; \
+        _Pragma("unroll") for (int s = 0; s < R; ++s) { \
+            int dj = w0 + s + pl - q * S; \
+            if (dj < 0 || dj >= K) continue; \
+            BODY \
+        } \
+    }
+#define BLOCK_STORE(V, R) \
+    _Pragma("unroll") for (int r = 0; r < R; ++r) \
+        _Pragma("unroll") for (int s = 0; s < R; ++s) \
+            if (h0 + r < H && w0 + s < W) stv<V>(dx, X_AT(h0 + r, w0 + s), acc[r][s]);
+
+template <int V, int K, int S, int R> __device__ void maxpool_bwd_block(const unsigned char* arg, const T* dy, T* dx,
+                                                                        int n, int C, int H, int W, int P, int Q,
+                                                                        int pt, int pl) {
+    GRID_LOOP(i, n) {
+        BLOCK_IN(V, R)
+        float acc[R][R][V] = {}, grad[V];
+        FOR_BLOCK_WINDOWS(K, S, R,
+            int o = Y_AT(p, q);
+            Taps<V> taps = *reinterpret_cast<const Taps<V>*>(arg + o);
+            ldv<V>(dy, o, grad);
+            FOR_COVERED(K, S, R,
+                unsigned char want = di * K + dj;
+                _Pragma("unroll") for (int e = 0; e < V; ++e) if (taps.tap[e] == want) acc[r][s][e] += grad[e];
+            )
+        )
+        BLOCK_STORE(V, R)
+    }
+}
+
 extern "C" __global__ void maxpool_fwd_1(const T* x, T* y, int n, MAX_GEOMETRY) {
     maxpool_elements(x, y, nullptr, n, MAX_ARGS);
 }
@@ -226,6 +282,12 @@ extern "C" __global__ void maxpool_bwd##SUFFIX(const unsigned char* arg, const T
     else if (FIXED_WINDOW(2, 2)) maxpool_bwd_fixed<V, 2, 2>(arg, dy, dx, n, C, H, W, P, Q, pt, pl); \
     else if (dh == 1 && dw == 1) maxpool_bwd_groups<V, true>(arg, dy, dx, n, MAX_ARGS); \
     else maxpool_bwd_groups<V, false>(arg, dy, dx, n, MAX_ARGS); \
+} \
+extern "C" __global__ void maxpool_bwd_block##SUFFIX(const unsigned char* arg, const T* dy, T* dx, int n, \
+                                                     MAX_GEOMETRY) { \
+    if (SQUARE_WINDOW(3, 2)) maxpool_bwd_block<V, 3, 2, 2>(arg, dy, dx, n, C, H, W, P, Q, pt, pl); \
+    else if (SQUARE_WINDOW(3, 1)) maxpool_bwd_block<V, 3, 1, 2>(arg, dy, dx, n, C, H, W, P, Q, pt, pl); \
+    else maxpool_bwd_block<V, 2, 2, 2>(arg, dy, dx, n, C, H, W, P, Q, pt, pl); \
 }
 MAXPOOL_BWD(_1, 1)
 MAXPOOL_BWD(_vec, VEC)
@@ -296,6 +358,22 @@ template <int V, int K, int S> __device__ void avgpool_bwd_fixed(const T* dy, T*
     }
 }
 
+// avgpool_bwd_groups for a fixed window, R x R elements a thread as maxpool_bwd_block: the same sums, and each
+// window's count and division once
+template <int V, int K, int S, int R> __device__ void avgpool_bwd_block(const T* dy, T* dx, int n, GEOMETRY, int pt,
+                                                                        int pl, int pb, int pr, int include_pad) {
+    GRID_LOOP(i, n) {
+        BLOCK_IN(V, R)
+        float acc[R][R][V] = {}, grad[V];
+        FOR_BLOCK_WINDOWS(K, S, R,
+            float scale = 1.f / avg_count(p * S - pt, q * S - pl, K, K, H, W, pt, pl, pb, pr, include_pad);
+            ldv<V>(dy, Y_AT(p, q), grad);
+            FOR_COVERED(K, S, R, _Pragma("unroll") for (int e = 0; e < V; ++e) acc[r][s][e] += grad[e] * scale;)
+        )
+        BLOCK_STORE(V, R)
+    }
+}
+
 #define AVG_ARGS C, H, W, P, Q, kh, kw, sh, sw, pt, pl, pb, pr, include_pad
 #define AVGPOOL(SUFFIX, V) \
 extern "C" __global__ void avgpool_fwd##SUFFIX(const T* x, T* y, int n, GEOMETRY, int pt, int pl, int pb, int pr, \
@@ -309,6 +387,12 @@ extern "C" __global__ void avgpool_bwd##SUFFIX(const T* dy, T* dx, int n, GEOMET
     if (SQUARE_WINDOW(3, 1)) avgpool_bwd_fixed<V, 3, 1>(dy, dx, n, AVG_ARGS); \
     else if (SQUARE_WINDOW(2, 2)) avgpool_bwd_fixed<V, 2, 2>(dy, dx, n, AVG_ARGS); \
     else avgpool_bwd_groups<V>(dy, dx, n, AVG_ARGS); \
+} \
+extern "C" __global__ void avgpool_bwd_block##SUFFIX(const T* dy, T* dx, int n, GEOMETRY, int pt, int pl, int pb, \
+                                                     int pr, int include_pad) { \
+    if (SQUARE_WINDOW(3, 2)) avgpool_bwd_block<V, 3, 2, 2>(dy, dx, n, AVG_ARGS); \
+    else if (SQUARE_WINDOW(3, 1)) avgpool_bwd_block<V, 3, 1, 2>(dy, dx, n, AVG_ARGS); \
+    else avgpool_bwd_block<V, 2, 2, 2>(dy, dx, n, AVG_ARGS); \
 }
 AVGPOOL(_1, 1)
 AVGPOOL(_vec, VEC)
@@ -317,6 +401,19 @@ extern "C" __global__ void globalavgpool_bwd(const T* dy, T* dx, int n, int C, i
     GRID_LOOP(i, n) st(dx, i, ld(dy, (long long)(i / HWC) * C + i % C) * scale);
 }
 """
+
+
+BLOCK = 2  # the block kernels' R
+BLOCK_WINDOWS = {(3, 3, 2, 2), (3, 3, 1, 1), (2, 2, 2, 2)}  # (kh, kw, sh, sw) the block kernels dispatch on
+
+
+def offered(kind: str, attrs: dict, *specs) -> list[str]:
+    """["pool_2x2"] where a pooling gradient also offers the 2x2 blocks, else []."""
+    window = (*attrs.get("kernel", ()), *attrs.get("strides", ()))
+    unit_dilation = list(attrs.get("dilations", [1, 1])) == [1, 1]
+    if kind in ("maxpool_bwd", "avgpool_bwd") and window in BLOCK_WINDOWS and unit_dilation:
+        return [f"pool_{BLOCK}x{BLOCK}"]
+    return []
 
 
 class Pool(SingleKernelOp):
@@ -333,6 +430,10 @@ class Pool(SingleKernelOp):
         sh, sw = attrs["strides"]
         t, l, b, r = attrs["pads"]
         self.x_numel, self.y_numel = x.numel, y.numel
+        # (kernel, threads) of each candidate
+        self.kernels = [(kind, x.numel)] if kind.endswith("_bwd") else [(f"{kind}_fwd", y.numel)]
+        if offered(kind, attrs):
+            self.kernels.append((f"{kind}_block", n * -(-h // BLOCK) * -(-w // BLOCK) * c))
         self.geometry = tuple(i32(v) for v in (c, h, w, p, q, kh, kw, sh, sw))
         if kind.startswith("maxpool"):
             if kh * kw > 255:
@@ -342,7 +443,16 @@ class Pool(SingleKernelOp):
         else:
             self.extra = tuple(i32(v) for v in (t, l, b, r, attrs["count_include_pad"]))
 
-    def run(self, inputs, outputs, workspace):
+    @property
+    def candidates(self) -> list[tuple[str, int]]:
+        """One gradient per element, and where the window allows, a 2x2 block of elements per thread: the blocks
+        read fewer windows but run a quarter of the threads, which loses on small maps (GoogLeNet's 7x7 pool
+        gradient on H200: 13.5 -> 15.9 us), so the profile decides."""
+        names = [self.name, f"{self.name}_{BLOCK}x{BLOCK}"]
+        return [(name, self.workspace_bytes) for name in names[:len(self.kernels)]]
+
+    def launch(self, index: int, inputs: list, outputs: list, workspace) -> None:
+        name, threads = self.kernels[index]
         args = self.geometry + self.extra
         arrays = [*inputs, *outputs] + ([workspace] if self.kind == "maxpool_bwd" else [])
         width = vector_width(self.dtype, *arrays)
@@ -352,12 +462,14 @@ class Pool(SingleKernelOp):
             x, dy = inputs
             n = self.y_numel // width
             launch_1d(kernel(SRC, "maxpool_argmax" + suffix, self.dtype), n, x, workspace, i32(n), *args)
-            n = self.x_numel // width
-            launch_1d(kernel(SRC, "maxpool_bwd" + suffix, self.dtype), n, workspace, dy, outputs[0], i32(n), *args)
+            n = threads // width
+            launch_1d(kernel(SRC, name + suffix, self.dtype), n, workspace, dy, outputs[0], i32(n), *args)
             return
-        n = (self.x_numel if self.kind == "avgpool_bwd" else self.y_numel) // width
-        name = {"maxpool": "maxpool_fwd", "avgpool": "avgpool_fwd", "avgpool_bwd": "avgpool_bwd"}[self.kind]
+        n = threads // width
         launch_1d(kernel(SRC, name + suffix, self.dtype), n, inputs[0], outputs[0], i32(n), *args)
+
+    def run(self, inputs, outputs, workspace):
+        self.launch(0, inputs, outputs, workspace)
 
 
 class GlobalAvgPool(SingleKernelOp):
