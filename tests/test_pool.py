@@ -31,6 +31,7 @@ def test_the_blocks_launch_a_thread_per_2x2_block_of_each_channel():
     """Odd sides round up: the last row and column of blocks hold one element each."""
     x, y = spec((2, 16, 11, 9), "fp16"), spec((2, 16, 5, 4), "fp16")
     pool = Pool("maxpool_bwd", MAX_3x3_S2, x, y)
-    assert pool.kernels == [("maxpool_bwd", 2 * 16 * 11 * 9), ("maxpool_bwd_block", 2 * 16 * 6 * 5)]
+    assert pool.kernels == [("cupy_pool", "maxpool_bwd", 2 * 16 * 11 * 9),
+                            ("cupy_pool_2x2", "maxpool_bwd_block", 2 * 16 * 6 * 5)]
     workspace = [size for _, size in pool.candidates]
     assert workspace[0] == workspace[1] >= 2 * 16 * 5 * 4  # one argmax byte per output element, for both

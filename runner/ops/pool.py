@@ -210,10 +210,12 @@ class Pool(SingleKernelOp):
         sh, sw = attrs["strides"]
         t, l, b, r = attrs["pads"]
         self.x_numel, self.y_numel = x.numel, y.numel
-        # (kernel, threads) of each candidate
-        self.kernels = [(kind, x.numel)] if kind.endswith("_bwd") else [(f"{kind}_fwd", y.numel)]
+        # (candidate name, kernel, threads) of each candidate
+        first = (kind, x.numel) if kind.endswith("_bwd") else (f"{kind}_fwd", y.numel)
+        self.kernels = [(self.name, *first)]
         if offered(kind, attrs):
-            self.kernels.append((f"{kind}_block", n * -(-h // BLOCK) * -(-w // BLOCK) * c))
+            self.kernels.append((f"{self.name}_{BLOCK}x{BLOCK}", f"{kind}_block",
+                                 n * -(-h // BLOCK) * -(-w // BLOCK) * c))
         self.geometry = tuple(i32(v) for v in (c, h, w, p, q, kh, kw, sh, sw))
         if kind.startswith("maxpool"):
             if kh * kw > 255:
@@ -228,11 +230,10 @@ class Pool(SingleKernelOp):
         """One gradient per element, and where the window allows, a 2x2 block of elements per thread: the blocks
         read fewer windows but run a quarter of the threads, which loses on small maps (GoogLeNet's 7x7 pool
         gradient on H200: 13.4 -> 15.8 us), so the profile decides."""
-        names = [self.name, f"{self.name}_{BLOCK}x{BLOCK}"]
-        return [(name, self.workspace_bytes) for name in names[:len(self.kernels)]]
+        return [(name, self.workspace_bytes) for name, _, _ in self.kernels]
 
     def launch(self, index: int, inputs: list, outputs: list, workspace) -> None:
-        name, threads = self.kernels[index]
+        _, name, threads = self.kernels[index]
         args = self.geometry + self.extra
         arrays = [*inputs, *outputs] + ([workspace] if self.kind == "maxpool_bwd" else [])
         width = vector_width(self.dtype, *arrays)
