@@ -37,6 +37,12 @@ class Concat(str, Enum):
     copy = "copy"
 
 
+class BnRelu(str, Enum):
+    auto = "auto"
+    fused = "fused"
+    apart = "apart"
+
+
 class SchemaName(str, Enum):
     graph = "graph"
     profile = "profile"
@@ -218,6 +224,9 @@ def solve(
     concat: Concat = typer.Option(Concat.auto, "--concat", help="concats whose producers could write into their "
                                   "channel slices: auto (views where the uncapped list schedule is faster), view, "
                                   "copy"),
+    bn_relu: BnRelu = typer.Option(BnRelu.auto, "--bn-relu", help="training BatchNormalizations followed by a "
+                                   "ReLU: auto (run the ReLU inside them where the profile measured that), fused, "
+                                   "apart"),
     out: Optional[Path] = typer.Option(None, "--out", "-o",
                                        help="plan file (default plans/MODEL.train|infer.bN.DTYPE.json)"),
     png: Optional[Path] = typer.Option(None, "--png", help="with several caps: the trade-off chart"),
@@ -237,7 +246,7 @@ def solve(
     else:
         caps = parse_sizes(mem, device_bytes) if mem else [device_bytes]
     options = Options(streams=streams, time_limit_s=time_limit, workers=workers, seed=seed, baseline=baseline,
-                      dram=dram, concat=concat.value, deterministic=deterministic)
+                      dram=dram, concat=concat.value, bn_relu=bn_relu.value, deterministic=deterministic)
     mode = "train" if graph.training else "infer"
     name = graph.model_name if mode in graph.model_name.split(".") else f"{graph.model_name}.{mode}"
     stem = f"{name}.b{graph.batch}.{graph.dtype}" + (".baseline" if baseline else "")  # googlenet.train.onnx: once

@@ -10,7 +10,7 @@ import pprint
 from pathlib import Path
 
 from planner.files import PlannerError
-from planner.fuse import with_concat_views
+from planner.fuse import as_planned
 from planner.ir import Graph
 from planner.ops import KINDS
 from planner.plan import Plan
@@ -58,7 +58,7 @@ def _torch_node(n) -> list:
 
 
 def plan_dict(graph: Graph, plan: Plan | None) -> dict:
-    """The plan's forward streams, events and offloads; `graph` as the plan runs it (fuse.with_concat_views)."""
+    """The plan's forward streams, events and offloads; `graph` as the plan runs it (fuse.as_planned)."""
     forward = {n.name for n in graph.nodes if n.phase == "forward"}
     if plan is None:
         return {"order": [n.name for n in graph.nodes if n.phase == "forward"], "streams": {}, "records": {},
@@ -114,7 +114,7 @@ def torch_module_source(graph: Graph, plan: Plan | None = None) -> str:
     """Python source of the standalone module."""
     if plan is not None and plan.graph_sha256 != graph.graph_sha256:
         raise PlannerError("the plan was made for another model graph")
-    graph = with_concat_views(graph, plan.concat_views) if plan is not None else graph
+    graph = as_planned(graph, plan.bn_relu_fused, plan.concat_views) if plan is not None else graph
     source = TEMPLATE.read_text()
     title = (f"{graph.model_name}: batch {graph.batch}, {graph.dtype}, "
              f"{'training' if graph.training else 'inference'}"

@@ -162,11 +162,21 @@ def finalize(graph: Graph) -> Graph:
     return graph
 
 
+def record_saved_for_backward(graph: Graph) -> None:
+    """For each forward tensor, the backward ops that read it (what must survive until backward)."""
+    phase = {n.name: n.phase for n in graph.nodes}
+    for t in graph.tensors.values():
+        producer_phase = phase.get(t.producer, "forward") if t.producer else "forward"
+        if producer_phase == "forward":
+            t.saved_for_backward = [c for c in t.consumers if phase[c] == "backward"]
+
+
 def recompute_nodes(graph: Graph) -> dict[tuple[str, ...], Node]:
     """The fused recomputations of a training graph, keyed by the forward chain each replaces: a training
     BatchNormalization and the ReLU after it ([bn, relu]), or the Add of a residual and the ReLU after that
     ([bn, add, relu]), as one `bn_apply` node that reads the saved statistics and writes the ReLU's output. They
-    are not part of the graph; the profiler measures them and the solver prices a recomputation with them."""
+    are not part of the graph; the profiler measures them and the solver prices a recomputation with them. A
+    BatchNormalization that runs its ReLU itself (attr relu, fuse.with_bn_relu) is a chain of one ([bn])."""
     if not graph.training:
         return {}
     by_name = graph.node_by_name
@@ -180,15 +190,16 @@ def recompute_nodes(graph: Graph) -> dict[tuple[str, ...], Node]:
         if bn.kind != "batchnorm" or not bn.attrs.get("training") or bn.phase != "forward":
             continue
         inputs = [*bn.inputs[:3], *bn.outputs[3:5]]
-        chain, residual = [bn], []
-        nxt = only_forward_consumer(bn.outputs[0])
-        if nxt is not None and nxt.kind == "add":
-            residual = [t for t in nxt.inputs if t != bn.outputs[0]]
+        chain, residual, nxt = [bn], [], bn
+        if not bn.attrs.get("relu"):
+            nxt = only_forward_consumer(bn.outputs[0])
+            if nxt is not None and nxt.kind == "add":
+                residual = [t for t in nxt.inputs if t != bn.outputs[0]]
+                chain.append(nxt)
+                nxt = only_forward_consumer(nxt.outputs[0])
+            if nxt is None or nxt.kind != "relu" or len(residual) > 1:
+                continue
             chain.append(nxt)
-            nxt = only_forward_consumer(nxt.outputs[0])
-        if nxt is None or nxt.kind != "relu" or len(residual) > 1:
-            continue
-        chain.append(nxt)
         attrs = {"relu": 1, "residual": len(residual)}
         ins, outs = inputs + residual, nxt.outputs[:1]
         in_shapes, out_shapes = [graph.tensors[t].shape for t in ins], [graph.tensors[t].shape for t in outs]

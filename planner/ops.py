@@ -74,8 +74,10 @@ _k("conv_fused", "[x, w, b?, z?] -> [y]: relu?(conv(x, w) + b + z): an inference
    flops=lambda i, o, a: _conv_flops(i, o, a) + (a["residual"] + a["relu"]) * _numel(o[0]))
 _k("batchnorm", "[x, scale, bias, running_mean, running_var] -> [y] (training=False) or [y, running_mean', running_var', "
    "saved_mean, saved_invstd] (training=True: batch statistics, population variance, ONNX momentum rule, "
-   "running stats updated in place); attrs epsilon, momentum, training", recomputable=True,
-   flops=lambda i, o, a: 4 * _numel(i[0]))
+   "running stats updated in place); attrs epsilon, momentum, training; attr relu (training, optional): y is the "
+   "ReLU of it (fuse.with_bn_relu); attr concat_channels (optional, with relu): y is a channel slice of a "
+   "concat_view's output with that many channels", recomputable=True,
+   flops=lambda i, o, a: (4 + a.get("relu", 0)) * _numel(i[0]))
 _k("bn_apply", "[x, scale, bias, saved_mean, saved_invstd, z?] -> [y]: relu?(scale * (x - saved_mean) * saved_invstd "
    "+ bias + z): a training BatchNormalization (with the Add (attr residual) and ReLU (attr relu) after it) "
    "recomputed in the backward pass from the statistics its forward pass saved; made by "
@@ -114,8 +116,11 @@ _k("conv_bwd_filter", "[x, dy] -> [dw]: weight gradient of conv (the conv's attr
 _k("bias_grad", "[dy] -> [db]: sum of dy over every axis but attr axis (bias gradient of conv and gemm)", phase="backward", flops=lambda i, o, a: _numel(i[0]))
 _k("reduce_to_shape", "[dy] -> [dx]: sum of dy over broadcast axes down to attr shape (gradient of a broadcast operand)", phase="backward",
    flops=lambda i, o, a: _numel(i[0]))
-_k("batchnorm_bwd", "[x, dy, scale, saved_mean, saved_invstd] -> [dx, dscale, dbias]: backward through batch statistics", phase="backward",
-   flops=lambda i, o, a: 8 * _numel(i[0]))
+_k("batchnorm_bwd", "[x, dy, scale, saved_mean, saved_invstd] -> [dx, dscale, dbias]: backward through batch "
+   "statistics; with attr relu, [x, dr, scale, saved_mean, saved_invstd, bias]: dy = dr * (scale * (x - saved_mean) * "
+   "saved_invstd + bias > 0), the gradient through the ReLU the forward ran (fuse.with_bn_relu); attr "
+   "concat_channels (optional, with relu): dr is a channel slice of a concat_view's gradient", phase="backward",
+   flops=lambda i, o, a: (8 + a.get("relu", 0)) * _numel(i[0]))
 _k("relu_bwd", "[y, dy] -> [dx]: dy * (y > 0); attr concat_channels (optional): y and dy are channel slices of a "
    "concat_view's output and of its gradient, with that many channels", phase="backward")
 _k("clip_bwd", "[x, dy] -> [dx]: dy * (min < x < max); attrs min, max", phase="backward")

@@ -128,6 +128,9 @@ class Plan(BaseModel):
     compute_streams: int
     concat_views: list[str] = Field(default_factory=list, description="concats run as concat_view: their "
                                     "producers write into the output's channel slices (fuse.with_concat_views)")
+    bn_relu_fused: list[str] = Field(default_factory=list, description="training BatchNormalizations that run the "
+                                     "ReLU after them, their backwards the ReLU's (fuse.with_bn_relu; applied "
+                                     "before concat_views)")
     ops: list[ScheduledOp]
     copies: list[Copy] = Field(default_factory=list)
     tensors: list[Residency] = Field(default_factory=list)

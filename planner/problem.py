@@ -339,7 +339,8 @@ def recompute_cost(problem: Problem, graph: Graph, chain: list[int], freed_bytes
     each op on its fastest algorithm whose workspace is at most a quarter of the bytes the recomputation frees
     (it runs where memory is tightest); then, where faster, each on its fastest whatever its workspace
     (GoogLeNet's and ResNet-50's conv1, 49 MiB out: 197 us lean, 91 us with 12.3 MiB; which fits depends on the
-    schedule, so the solver chooses). With `fused_tail`, the longest tail measured fused runs as that kernel."""
+    schedule, so the solver chooses). With `fused_tail`, the longest tail measured fused runs as that kernel (a
+    BatchNormalization running its ReLU, fuse.with_bn_relu, is a tail of one)."""
     by_name = {u.name: i for i, u in enumerate(problem.tensors)}
     made = set()
     reads: list[int] = []
@@ -354,7 +355,7 @@ def recompute_cost(problem: Problem, graph: Graph, chain: list[int], freed_bytes
     names = tuple(problem.ops[o].name for o in chain)
     if (one := fused.get(names)) is not None:
         return reads, [one]
-    cut = next((k for k in range(1, len(chain) - 1) if names[k:] in fused), len(chain)) if fused_tail else len(chain)
+    cut = next((k for k in range(1, len(chain)) if names[k:] in fused), len(chain)) if fused_tail else len(chain)
     intermediate = sum(problem.tensors[w].bytes for o in chain[:min(cut, len(chain) - 1)] for w in problem.ops[o].writes)
     tail = [fused[names[cut:]]] if cut < len(chain) else []
     ways = []

@@ -21,7 +21,8 @@ from planner.budget import (BOUND_S_PER_OP, CPSAT_WALL_PER_DET, LAYOUT_S_PER_OP,
 from planner.deep import deep_tensors, with_deep
 from planner.decisions import FIT_EVALS, LIST_SLACKS, QUICK_EVALS, best_heuristic, fit_slack
 from planner.files import PlannerError
-from planner.fuse import concat_view_candidates, concat_view_nodes, with_concat_views
+from planner.fuse import (bn_relu_candidates, bn_relu_nodes, concat_view_candidates, concat_view_nodes, with_bn_relu,
+                          with_concat_views)
 from planner.heuristic import Work, cost, list_schedule, serial_baseline
 from planner.ir import Graph
 from planner.memsize import fmt_bytes
@@ -60,6 +61,7 @@ class Options:
     dram: bool = False  # DRAM bandwidth as a second cumulative beside the SM share
     baseline: bool = False  # emit the framework-style plan instead: serial, fastest algorithm, everything kept
     concat: Literal["auto", "view", "copy"] = "auto"  # concats written in place by their producers (see solve_plan)
+    bn_relu: Literal["auto", "fused", "apart"] = "auto"  # BatchNormalizations running their ReLUs (see solve_plan)
     deterministic: bool = False  # the time limit counts work alone: the wall clock ends the search only at RUNAWAY
 
 
@@ -78,11 +80,39 @@ def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options 
     the search gets what the work before it leaves (`charged_s`), and `solve_time_s` is the whole solve's. The
     budget counts work, so that plans repeat; the wall clock at the limit ends the search all the same, unless
     `deterministic`: then the same plan comes on any machine, past the limit where the machine is slower than the
-    budget counts (up to RUNAWAY times the limit, where the status says the plan may differ)."""
+    budget counts (up to RUNAWAY times the limit, where the status says the plan may differ).
+
+    Before the concats, `bn_relu` "auto" fuses each training BatchNormalization with the ReLU after it
+    (fuse.with_bn_relu) where the profile measured the fused ops: they do the same work in fewer passes and
+    launches, and leave the solver the same choices. "fused" insists, "apart" (and the baseline) never fuses."""
     t0, work = time.monotonic(), Work()
-    plan = _solve_concats(graph, profile, cap_bytes, options, on_progress, on_plan, work, t0)
+    plan = _solve_fused(graph, profile, cap_bytes, options, on_progress, on_plan, work, t0)
     plan.totals.solve_time_s = time.monotonic() - t0
     return plan
+
+
+def _solve_fused(graph: Graph, profile: Profile, cap_bytes: int, options: Options, on_progress, on_plan,
+                 work: Work, t0: float) -> Plan:
+    """`solve_plan` with BatchNormalizations and ReLUs fused or not (see there). A framework runs them apart, so
+    the baseline stays the unfused graph's."""
+    fused = [] if options.bn_relu == "apart" or options.baseline else bn_relu_candidates(graph)
+    if options.bn_relu == "auto" and not all(n.signature in profile.ops for n in bn_relu_nodes(graph)):
+        fused = []
+    if not fused:
+        return _solve_concats(graph, profile, cap_bytes, options, on_progress, on_plan, work, t0)
+    if profile.graph_sha256 not in (None, graph.graph_sha256):
+        raise PlannerError("the profile was assembled for another graph (model, batch, dtype or mode differ)")
+
+    def on_model(plan: Plan) -> Plan:  # the fused graph's plan, for the model as given (in place: the first plan
+        plan.graph_sha256, plan.bn_relu_fused = graph.graph_sha256, fused  # may be the plan, `--time-limit 0`)
+        return plan
+
+    plan = on_model(_solve_concats(with_bn_relu(graph, fused), profile.model_copy(update={"graph_sha256": None}),
+                                   cap_bytes, options, on_progress, (lambda first: on_plan(on_model(first)))
+                                   if on_plan else None, work, t0))
+    plan.totals.status += f"; {len(fused)} BatchNormalizations run their ReLUs"
+    _, serial_us, serial_peak = serial_baseline(_problem(graph, profile, options, work, streams=1))
+    return _framework_baseline(plan, (serial_us, serial_peak))
 
 
 def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Options, on_progress, on_plan,

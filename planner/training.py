@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from planner import ops
 from planner.files import PlannerError
-from planner.ir import Graph, Node, Tensor, finalize
+from planner.ir import Graph, Node, Tensor, finalize, record_saved_for_backward
 
 LABELS = "labels"
 LOSS = "loss"
@@ -124,7 +124,7 @@ class _Backward:
         for n in graph.nodes:
             n.flops = ops.flops(n.kind, [graph.tensors[t].shape for t in n.inputs],
                                 [graph.tensors[t].shape for t in n.outputs], n.attrs)
-        _record_saved_for_backward(graph)
+        record_saved_for_backward(graph)
         return graph
 
     def _updates(self) -> None:
@@ -310,12 +310,3 @@ class _Backward:
             self.emit("gemm", [a, dy], [db], {"transA": 1, "transB": 0, "alpha": 1.0, "beta": 0.0}, n.name,
                       suffix="/dB")
             self.contribute(b, db)
-
-
-def _record_saved_for_backward(graph: Graph) -> None:
-    """For each forward tensor, the backward ops that read it (what must survive until backward)."""
-    phase = {n.name: n.phase for n in graph.nodes}
-    for t in graph.tensors.values():
-        producer_phase = phase.get(t.producer, "forward") if t.producer else "forward"
-        if producer_phase == "forward":
-            t.saved_for_backward = [c for c in t.consumers if phase[c] == "backward"]

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from planner.files import PlannerError
-from planner.fuse import with_concat_views
+from planner.fuse import as_planned
 from planner.ir import Graph, recompute_nodes
 from planner.memsize import fmt_bytes
 from planner.plan import FUSED_RECOMPUTE, Copy, Plan, ScheduledOp
@@ -63,7 +63,7 @@ class Execution:
         cp, cudnn = gpu().cp, gpu().cudnn
         if plan.graph_sha256 != graph.graph_sha256:
             raise PlannerError("the plan was made for another model graph (batch, dtype or file differ)")
-        graph = with_concat_views(graph, plan.concat_views)
+        graph = as_planned(graph, plan.bn_relu_fused, plan.concat_views)
         self.graph, self.nodes = graph, graph.node_by_name
         blocks, uses, self.block_of = plan_blocks(plan)
         self.offsets, self.arena_bytes = assign_offsets(blocks)

@@ -93,7 +93,7 @@ def _op_by_op(exe: Execution, graph: Graph, checked: dict[str, str]) -> list[Che
     for launch in exe.order:
         kind, i = exe.key[id(launch.item)]
         op = exe.plan.ops[i] if kind == "op" else None
-        node = graph.node_by_name[op.node] if op and not op.recompute_of else None
+        node = exe.graph.node_by_name[op.node] if op and not op.recompute_of else None  # as the plan runs it
         if node is None or not checked.keys() & set(node.outputs):
             exe.issue_item(launch)
             continue
@@ -105,7 +105,7 @@ def _op_by_op(exe: Execution, graph: Graph, checked: dict[str, str]) -> list[Che
         for t, w in zip(node.outputs, want):
             if t in checked:
                 checks.append(_check(t, checked[t], cp.asnumpy(exe.array(("op", i), t)),
-                                     w.astype(NUMPY_DTYPE[graph.tensors[t].dtype]), tolerance))
+                                     w.astype(NUMPY_DTYPE[exe.graph.tensors[t].dtype]), tolerance))
     exe.end()
     sync()
     return checks

@@ -320,6 +320,6 @@ def test_where_the_serial_plans_arena_passes_the_cap_its_serial_form_is_offered(
     dear.device.dispatch_us["training"], dear.device.one_stream_dispatch_us["training"] = 40.0, 0.0
     serial_peak = serial_baseline(build_problem(g, dear, streams=1))[2]
     assert serial_peak < serial_device_bytes(g, dear)
-    plan = solve_plan(g, dear, serial_peak, Options(time_limit_s=0, concat="copy"))
+    plan = solve_plan(g, dear, serial_peak, Options(time_limit_s=0, concat="copy", bn_relu="apart"))  # fused: fits
     assert plan.compute_streams == 1 and "the plan's serial form" in plan.totals.status
     assert check_plan(plan).ok

@@ -134,6 +134,10 @@ CASES = [
     ("bn_apply", {"relu": 0, "residual": 1}, [X, (6,), (6,), (6,), (6,), X]),
     ("batchnorm_bwd", {"epsilon": 1e-3}, [X, X, (6,), (6,), (6,)]),
     ("batchnorm_bwd", {"epsilon": 1e-3}, [(8, 32, 14, 14), (8, 32, 14, 14), (32,), (32,), (32,)]),
+    ("batchnorm", {**BN, "training": True, "relu": 1}, [X, (6,), (6,), (6,), (6,)]),
+    ("batchnorm", {**BN, "training": True, "relu": 1}, [(8, 32, 14, 14), (32,), (32,), (32,), (32,)]),
+    ("batchnorm_bwd", {"epsilon": 1e-3, "relu": 1}, [X, X, (6,), (6,), (6,), (6,)]),
+    ("batchnorm_bwd", {"epsilon": 1e-3, "relu": 1}, [(8, 32, 14, 14), (8, 32, 14, 14), (32,), (32,), (32,), (32,)]),
     ("lrn", LRN, [X]), ("lrn", {**LRN, "size": 4}, [X]), ("lrn_bwd", LRN, [X, X]), ("lrn_bwd", {**LRN, "size": 4}, [X, X]),
     ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "grad_unscale": 1 / 1024}, [(6, 4, 3, 3)] * 3),
     ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}, [(6,)] * 3),
@@ -147,7 +151,7 @@ CASES = [
     ("conv_bwd_filter", {**CONV, "w_shape": [6, 4, 3, 3]}, [(2, 4, 9, 7), (2, 6, 9, 7)]),
     *STEM_CASES[:-3],
 ]
-DTYPES_IN = {"batchnorm": "xffff", "bn_apply": "xffffx", "batchnorm_bwd": "xxfff", "softmax_xent": "xi", "softmax_xent_bwd": "fi",
+DTYPES_IN = {"batchnorm": "xffff", "bn_apply": "xffffx", "batchnorm_bwd": "xxffff", "softmax_xent": "xi", "softmax_xent_bwd": "fi",
              "dropout_bwd": "xu"}
 DTYPES_OUT = {"batchnorm": "xffff", "batchnorm_bwd": "xff", "softmax_xent": "ff", "dropout": "xu"}
 IN_PLACE = {"batchnorm": {1: 3, 2: 4}}
@@ -155,7 +159,7 @@ CODES = {"f": "fp32", "i": "int64", "u": "uint8"}
 
 
 def _dtypes(codes: str, n: int, dtype: str) -> list[str]:
-    return [dtype if c == "x" else CODES[c] for c in (codes or "x" * n)]
+    return [dtype if c == "x" else CODES[c] for c in (codes or "").ljust(n, "x")]
 
 
 @pytest.fixture(scope="module")
@@ -469,6 +473,64 @@ def test_relu_and_its_backward_work_in_place_on_channel_slices(gpu_ctx, dtype, c
                 _check([out], [want], [packed], dtype, (mode, channels))
     outside = cp.concatenate([whole_y[..., :offset].ravel(), whole_y[..., offset + channels:].ravel()])
     assert bool((outside == 7).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("channels,offset,pitch", [(64, 16, 96), (20, 8, 36)], ids=["vector", "scalar"])
+def test_batchnorm_running_its_relu_works_on_channel_slices(gpu_ctx, dtype, channels, offset, pitch):
+    """Training concat_views of fused BatchNormalizations (fuse.with_bn_relu): every candidate of the forward
+    writes exactly its channel slice of a wider NHWC buffer, and of the backward reads dr from such a slice,
+    eagerly and from a captured graph."""
+    from runner.ops import OPS, host_inputs
+    from runner.ops.common import NUMPY_DTYPE, device_empty, spec, to_device
+
+    cp, handle, stream = gpu_ctx
+    shape, chan = (4, channels, 5, 3), (channels,)
+    attrs = {**BN, "training": True, "relu": 1, "concat_channels": pitch}
+    packed, wide, stats = spec(shape, dtype), spec(shape, dtype, pitch), spec(chan, "fp32")
+    hosts = host_inputs("batchnorm", [packed] + [stats] * 4, np.random.default_rng(0))
+    fwd_want = REFERENCE["batchnorm"]([h.astype(np.float64) for h in hosts], attrs)
+    dr = np.random.default_rng(1).standard_normal(shape)
+    bwd_in = [hosts[0].astype(np.float64), dr.astype(NUMPY_DTYPE[dtype]).astype(np.float64), hosts[1],
+              fwd_want[3].astype(np.float32), fwd_want[4].astype(np.float32), hosts[2]]
+    bwd_want = REFERENCE["batchnorm_bwd"]([v.astype(np.float64) for v in bwd_in], {"epsilon": 1e-3, "relu": 1})
+
+    def sliced(host=None):
+        whole = cp.full((shape[0], shape[2], shape[3], pitch), 7.0, NUMPY_DTYPE[dtype])
+        view = whole[..., offset:offset + channels].transpose(0, 3, 1, 2)
+        if host is not None:
+            view[...] = cp.asarray(host.astype(NUMPY_DTYPE[dtype]))
+        return whole, view
+
+    whole_y, y = sliced()
+    fwd = OPS["batchnorm"](attrs, [packed] + [stats] * 4, [wide] + [stats] * 4, handle)
+    bwd = OPS["batchnorm_bwd"]({"epsilon": 1e-3, "relu": 1, "concat_channels": pitch},
+                               [packed, wide, stats, stats, stats, stats], [packed, stats, stats], handle)
+    bwd_inputs = [to_device(bwd_in[0], packed), sliced(dr)[1], *(to_device(v, stats) for v in bwd_in[2:])]
+    for op, name in ((fwd, "batchnorm"), (bwd, "batchnorm_bwd")):
+        for index, (candidate, workspace_bytes) in enumerate(op.candidates):
+            workspace = cp.full(max(workspace_bytes, 1), 0xFF, cp.uint8)
+            for mode in ("eager", "graph"):
+                if name == "batchnorm":
+                    inputs = [to_device(h, s) for h, s in zip(hosts, [packed] + [stats] * 4)]
+                    outputs, want, specs = [y] + [device_empty(stats) for _ in range(4)], fwd_want, [packed] + [stats] * 4
+                    whole_y.fill(7)
+                else:
+                    inputs, want, specs = bwd_inputs, bwd_want, [packed, stats, stats]
+                    outputs = [device_empty(s) for s in specs]
+                with stream:
+                    if mode == "eager":
+                        op.launch(index, inputs, outputs, workspace)
+                    else:
+                        capture(stream, lambda: op.launch(index, inputs, outputs, workspace)).launch(stream)
+                    stream.synchronize()
+                _check(outputs[:1] + outputs[-2:] if name == "batchnorm" else outputs,
+                       want[:1] + want[-2:] if name == "batchnorm" else want,
+                       specs[:1] + specs[-2:] if name == "batchnorm" else specs, dtype, (candidate, mode))
+                if name == "batchnorm":
+                    outside = cp.concatenate([whole_y[..., :offset].ravel(), whole_y[..., offset + channels:].ravel()])
+                    assert bool((outside == 7).all()), (candidate, mode)
 
 
 def _small_training_model(tmp_path: Path) -> Path:

@@ -35,7 +35,7 @@ def capped(request):
     prof = estimate_profile(g, load_device("h100"))
     resident = build_problem(g, prof).resident_bytes
     cap = resident + int((serial_peak_bytes(g) - resident) * request.param)
-    plan = solve_plan(g, prof, cap, Options(time_limit_s=0, streams=4, concat="copy"))
+    plan = solve_plan(g, prof, cap, Options(time_limit_s=0, streams=4, concat="copy", bn_relu="apart"))
     assert plan.compute_streams > 1 and plan.copies and any(o.recompute_of for o in plan.ops)
     return g, prof, cap, plan, build_problem(g, prof, streams=1)
 

@@ -257,3 +257,45 @@ def test_training_concats_become_views_with_slice_view_gradients(tmp_path):
         (serial.totals.makespan_us, serial.totals.baseline_peak_bytes)
     cat = next(r for r in plan.tensors if r.tensor == "cat")
     assert cat.decision == "keep"
+
+
+def test_batchnorms_run_their_relus_and_compute_the_same_iteration(tmp_path):
+    """fuse.with_bn_relu: each BatchNormalization that only a ReLU reads writes the ReLU's output and its backward
+    masks the ReLU's output gradient itself; the iteration computes the same loss, gradients and updates with two
+    ops a layer fewer. Its concats can still be views (the fused BatchNormalizations write the slices), solve fuses
+    where the profile has the fused ops, and the plan, as the runner sees it, passes the independent check."""
+    from planner import reference
+    from planner.analytic import estimate_profile
+    from planner.check import check_plan
+    from planner.devices import load_device
+    from planner.fuse import as_planned, bn_relu_candidates, bn_relu_nodes, concat_view_candidates, with_bn_relu
+    from planner.solve import Options, solve_plan
+
+    g = build_training(import_onnx(_block_model(tmp_path, _aligned_inception_block), batch=2, training=True))
+    names = bn_relu_candidates(g)
+    assert names == [n.name for n in g.nodes if n.kind == "batchnorm"]
+    f = with_bn_relu(g, names)
+    kinds = lambda graph: [n.kind for n in graph.nodes]  # noqa: E731
+    assert len(f.nodes) == len(g.nodes) - 2 * len(names)
+    assert kinds(f).count("relu") == kinds(g).count("relu") - 3 and kinds(f).count("relu_bwd") == 1  # the stem's
+    bwd = [n for n in f.nodes if n.kind == "batchnorm_bwd"]
+    bias = {n.name: n.inputs[2] for n in f.nodes if n.kind == "batchnorm"}
+    assert all(n.attrs["relu"] == 1 and n.inputs[5] == bias[n.forward_of] for n in bwd)  # the mask from x and bias
+    assert all(not f.tensors[t].saved_for_backward for t in ("r1", "r2", "r3"))  # read by the Concat alone
+    assert f.tensors["r1"].producer == "n1" and "n1" not in f.tensors  # the unfused BN output is gone
+    assert concat_view_candidates(f) == concat_view_candidates(g)
+    values = {**reference.random_parameters(g, seed=1), **reference.random_inputs(g, seed=2)}
+    apart, fused = reference.run(g, dict(values)), reference.run(f, dict(values))
+    assert fused.keys() <= apart.keys() and len(apart) - len(fused) == 2 * len(names)
+    assert all(np.allclose(fused[k], apart[k], rtol=1e-12, atol=1e-15) for k in fused)
+
+    profile = estimate_profile(g, load_device("h100"))
+    assert {n.signature for n in bn_relu_nodes(g)} <= profile.ops.keys()  # estimated with the graph's own
+    plan = solve_plan(g, profile, profile.device.memory_bytes, Options(time_limit_s=0))
+    assert plan.bn_relu_fused == names and plan.graph_sha256 == g.graph_sha256 and check_plan(plan).ok
+    runs = as_planned(g, plan.bn_relu_fused, plan.concat_views)
+    assert {op.node for op in plan.ops if not op.recompute_of} <= set(runs.node_by_name)
+    apart_plan = solve_plan(g, profile, profile.device.memory_bytes, Options(time_limit_s=0, bn_relu="apart"))
+    assert not apart_plan.bn_relu_fused and apart_plan.totals.makespan_us > plan.totals.makespan_us
+    assert (plan.totals.baseline_makespan_us, plan.totals.baseline_peak_bytes) == \
+        (apart_plan.totals.baseline_makespan_us, apart_plan.totals.baseline_peak_bytes)

@@ -22,6 +22,7 @@ def batchnorm(inputs, attrs):
     invstd = 1.0 / np.sqrt(batch_var + eps)
     y = cv(scale) * (x - cv(batch_mean)) * cv(invstd) + cv(bias)
     m = attrs["momentum"]
+    y = np.maximum(y, 0) if attrs.get("relu") else y  # the ReLU it runs (fuse.with_bn_relu)
     return [y, mean * m + batch_mean * (1 - m), var * m + batch_var * (1 - m), batch_mean, invstd]
 
 
@@ -35,8 +36,10 @@ def bn_apply(inputs, attrs):
 
 
 def batchnorm_bwd(inputs, attrs):
-    x, dy, scale, mean, invstd = inputs
+    x, dy, scale, mean, invstd = inputs[:5]
     cv = lambda v: _channel_view(v, x.ndim)  # noqa: E731
+    if attrs.get("relu"):  # dy is the ReLU's output gradient, inputs[5] the bias (fuse.with_bn_relu)
+        dy = np.where(cv(scale) * (x - cv(mean)) * cv(invstd) + cv(inputs[5]) > 0, dy, 0)
     axes = _stat_axes(x)
     count = x.size // x.shape[1]
     xhat = (x - cv(mean)) * cv(invstd)

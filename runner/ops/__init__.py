@@ -37,7 +37,8 @@ def specs_of(graph, names: list[str]) -> list[TensorSpec]:
 
 # the operands a node with `concat_channels` reads or writes as channel slices of a concat_view's output (or of
 # its gradient): (input indices, output indices)
-SLICED_OPERANDS = {"conv_fused": ((), (0,)), "relu": ((), (0,)), "relu_bwd": ((0, 1), ())}
+SLICED_OPERANDS = {"conv_fused": ((), (0,)), "relu": ((), (0,)), "relu_bwd": ((0, 1), ()), "batchnorm": ((), (0,)),
+                   "batchnorm_bwd": ((1,), ())}
 
 
 def node_specs(graph, node) -> tuple[list[TensorSpec], list[TensorSpec]]:

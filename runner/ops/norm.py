@@ -76,6 +76,20 @@ extern "C" __global__ void bn_apply_saved_vec(const T* x, const T* z, T* y, cons
     }
 }
 
+// the block's (32, 8) column sums a and b, added over threadIdx.y, as split s of columns c (p1, p2: [S, C])
+__device__ __forceinline__ void store_partial(float a, float b, int c, int C, int s, float* p1, float* p2) {
+    __shared__ float sa[8][33], sb[8][33];
+    sa[threadIdx.y][threadIdx.x] = a;
+    sb[threadIdx.y][threadIdx.x] = b;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        float ta = 0.f, tb = 0.f;
+        for (int k = 0; k < 8; ++k) { ta += sa[k][threadIdx.x]; tb += sb[k][threadIdx.x]; }
+        p1[(long long)s * C + c] = ta;
+        p2[(long long)s * C + c] = tb;
+    }
+}
+
 // block (32, 8): per column of [M, C], sums over one row split of v = x - x[0, c] and v * v (shifted, so a
 // large mean does not cancel the variance), or of dy and dy * (x - mean)
 extern "C" __global__ void bn_partial(const T* x, const T* dy, const float* mean, int backward, int M, int C,
@@ -101,16 +115,28 @@ extern "C" __global__ void bn_partial(const T* x, const T* dy, const float* mean
             }
         }
     }
-    __shared__ float sa[8][33], sb[8][33];
-    sa[threadIdx.y][threadIdx.x] = a;
-    sb[threadIdx.y][threadIdx.x] = b;
-    __syncthreads();
-    if (threadIdx.y == 0 && c < C) {
-        float ta = 0.f, tb = 0.f;
-        for (int k = 0; k < 8; ++k) { ta += sa[k][threadIdx.x]; tb += sb[k][threadIdx.x]; }
-        p1[(long long)s * C + c] = ta;
-        p2[(long long)s * C + c] = tb;
+    store_partial(a, b, c, C, s, p1, p2);
+}
+
+// bn_partial's backward sums through the ReLU a BatchNormalization ran (attr relu): dy = dr where the ReLU's input
+// x * (scale * invstd) + bias - mean * scale * invstd, as the forward pass computed it, is positive; dr may be a
+// channel slice of a wider NHWC buffer (pixels pd apart)
+extern "C" __global__ void bn_relu_partial(const T* x, const T* dr, const float* scale, const float* bias,
+                                           const float* mean, const float* invstd, int M, int C, int S, int pd,
+                                           float* p1, float* p2) {
+    int c = blockIdx.x * 32 + threadIdx.x, s = blockIdx.y;
+    int rows = (M + S - 1) / S, r0 = s * rows, r1 = min(M, r0 + rows);
+    float a = 0.f, b = 0.f;
+    if (c < C) {
+        float m = mean[c], g = scale[c] * invstd[c], g0 = bias[c] - m * g;
+        for (int row = r0 + threadIdx.y; row < r1; row += 8) {
+            float v = ld(x, (long long)row * C + c);
+            float d = v * g + g0 > 0.f ? ld(dr, (long long)row * pd + c) : 0.f;
+            a += d;
+            b += d * (v - m);
+        }
     }
+    store_partial(a, b, c, C, s, p1, p2);
 }
 
 __device__ __forceinline__ void channel_sums(const float* p1, const float* p2, int S, int C, float& a, float& b) {
@@ -164,6 +190,62 @@ extern "C" __global__ void bn_bwd_stats(const float* p1, const float* p2, int S,
 extern "C" __global__ void bn_bwd_apply(const T* x, const T* dy, T* dx, const float* k2, const float* k1,
                                         const float* k0, int n, int C) {
     GRID_LOOP(i, n) { int c = i % C; st(dx, i, ld(dy, i) * k2[c] + ld(x, i) * k1[c] + k0[c]); }
+}
+
+// The fused ReLU's passes (attr relu): element i is channel c = i % C of pixel i / C; y and dr may be channel
+// slices of wider buffers (pixels py, pd apart). VEC channels a thread for the first nv * VEC elements, when
+// C and the pitches are multiples of VEC and every array is 16-byte aligned; one a thread for the rest.
+
+// y = max(x * k1 + k0, 0)
+extern "C" __global__ void bn_relu_apply(const T* x, T* y, const float* k1, const float* k0, int n, int nv, int C,
+                                         int py) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+    for (int j = t; j < nv; j += stride) {
+        int i = j * VEC, row = i / C, c = i - row * C;
+        float v[VEC], a[VEC], b[VEC];
+        ldv<VEC>(x, i, v);
+        ld_channels(k1, c, a);
+        ld_channels(k0, c, b);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) v[e] = fmaxf(v[e] * a[e] + b[e], 0.f);
+        stv<VEC>(y, (long long)row * py + c, v);
+    }
+    for (int i = nv * VEC + t; i < n; i += stride) {
+        int row = i / C, c = i - row * C;
+        st(y, (long long)row * py + c, fmaxf(ld(x, i) * k1[c] + k0[c], 0.f));
+    }
+}
+
+// dx = k2 * dy + k1 * x + k0, dy = dr where the ReLU's input (as in bn_relu_partial) is positive
+extern "C" __global__ void bn_relu_bwd_apply(const T* x, const T* dr, T* dx, const float* k2, const float* k1,
+                                             const float* k0, const float* scale, const float* bias,
+                                             const float* mean, const float* invstd, int n, int nv, int C, int pd) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+    for (int j = t; j < nv; j += stride) {
+        int i = j * VEC, row = i / C, c = i - row * C;
+        float v[VEC], d[VEC], a2[VEC], a1[VEC], a0[VEC], g[VEC], b[VEC], m[VEC], s[VEC];
+        ldv<VEC>(x, i, v);
+        ldv<VEC>(dr, (long long)row * pd + c, d);
+        ld_channels(k2, c, a2);
+        ld_channels(k1, c, a1);
+        ld_channels(k0, c, a0);
+        ld_channels(scale, c, g);
+        ld_channels(bias, c, b);
+        ld_channels(mean, c, m);
+        ld_channels(invstd, c, s);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            float w = g[e] * s[e];
+            v[e] = (v[e] * w + (b[e] - m[e] * w) > 0.f ? d[e] : 0.f) * a2[e] + v[e] * a1[e] + a0[e];
+        }
+        stv<VEC>(dx, i, v);
+    }
+    for (int i = nv * VEC + t; i < n; i += stride) {
+        int row = i / C, c = i - row * C;
+        float v = ld(x, i), w = scale[c] * invstd[c];
+        float d = v * w + (bias[c] - mean[c] * w) > 0.f ? ld(dr, (long long)row * pd + c) : 0.f;
+        st(dx, i, d * k2[c] + v * k1[c] + k0[c]);
+    }
 }
 
 __device__ __forceinline__ float lrn_scale(const T* x, int base, int j, int C, int size, float alpha_n, float bias) {
@@ -267,11 +349,24 @@ class _ColumnStats(SingleKernelOp):
                 i32(self.splits), p1, p2)
         kernel(SRC, "bn_partial", self.dtype)(self.grid, (32, 8), args)
 
+    def launch_rows(self, name: str, arrays: list, pitches: list[int]) -> None:
+        """A fused-ReLU pass fn(arrays..., n, nv, C, pitches...), VEC channels a thread where C, the pitches and
+        every array's alignment allow."""
+        width = vector_width(self.dtype, *arrays)
+        if any(v % width for v in (self.c, *pitches)):
+            width = 1
+        nv = self.n // width if width > 1 else 0
+        launch_1d(kernel(SRC, name, self.dtype), max(nv, self.n - nv * width), *arrays, i32(self.n), i32(nv),
+                  i32(self.c), *(i32(p) for p in pitches))
+
 
 class BatchNormTraining(_ColumnStats):
-    def __init__(self, attrs, x: TensorSpec):
+    """With attr relu, y is the ReLU of the normalised x, written with `y`'s pitch (fuse.with_bn_relu)."""
+
+    def __init__(self, attrs, x: TensorSpec, y: TensorSpec):
         super().__init__(x, coefficients=2)
         self.eps, self.momentum = f32(attrs["epsilon"]), f32(attrs["momentum"])
+        self.relu, self.pitch = bool(attrs.get("relu")), y.row_channels or self.c
 
     def run(self, inputs, outputs, workspace):
         x, scale, bias, rmean, rvar = inputs
@@ -281,21 +376,39 @@ class BatchNormTraining(_ColumnStats):
         kernel(SRC, "bn_stats", self.dtype)((self.c,), (32,), (
             p1, p2, i32(self.splits), i32(self.m), i32(self.c), x, scale, bias, rmean, rvar, rmean_out, rvar_out,
             saved_mean, saved_invstd, k1, k0, self.eps, self.momentum))
-        launch_1d(kernel(SRC, "bn_apply", self.dtype), self.n, x, y, k1, k0, i32(self.n), i32(self.c))
+        if self.relu:
+            self.launch_rows("bn_relu_apply", [x, y, k1, k0], [self.pitch])
+        else:
+            launch_1d(kernel(SRC, "bn_apply", self.dtype), self.n, x, y, k1, k0, i32(self.n), i32(self.c))
 
 
 class BatchNormBackward(_ColumnStats):
-    def __init__(self, x: TensorSpec):
-        super().__init__(x, coefficients=3)
+    """With attr relu, the inputs are [x, dr, scale, mean, invstd, bias] and dy = dr where the ReLU's input,
+    recomputed, is positive; dr read with its pitch (fuse.with_bn_relu)."""
+
+    def __init__(self, attrs, ins: list[TensorSpec]):
+        super().__init__(ins[0], coefficients=3)
+        self.relu = bool(attrs.get("relu"))
+        self.pitch = (ins[1].row_channels or self.c) if self.relu else self.c
 
     def run(self, inputs, outputs, workspace):
-        x, dy, scale, mean, invstd = inputs
+        x, dy, scale, mean, invstd = inputs[:5]
         dx, dscale, dbias = outputs
         p1, p2, k2, k1, k0 = self.views(workspace)
-        self.partial(x, dy, mean, p1, p2)
+        if self.relu:
+            kernel(SRC, "bn_relu_partial", self.dtype)(self.grid, (32, 8), (
+                x, dy, scale, inputs[5], mean, invstd, i32(self.m), i32(self.c), i32(self.splits), i32(self.pitch),
+                p1, p2))
+        else:
+            self.partial(x, dy, mean, p1, p2)
         kernel(SRC, "bn_bwd_stats", self.dtype)((self.c,), (32,), (
             p1, p2, i32(self.splits), i32(self.m), i32(self.c), scale, mean, invstd, dscale, dbias, k2, k1, k0))
-        launch_1d(kernel(SRC, "bn_bwd_apply", self.dtype), self.n, x, dy, dx, k2, k1, k0, i32(self.n), i32(self.c))
+        if self.relu:
+            self.launch_rows("bn_relu_bwd_apply", [x, dy, dx, k2, k1, k0, scale, inputs[5], mean, invstd],
+                             [self.pitch])
+        else:
+            launch_1d(kernel(SRC, "bn_bwd_apply", self.dtype), self.n, x, dy, dx, k2, k1, k0, i32(self.n),
+                      i32(self.c))
 
 
 RUNTIME_COMPILED_PLANS = 3  # cuDNN compiles norm engines at build time: ~1 s a plan
@@ -303,7 +416,8 @@ RUNTIME_COMPILED_PLANS = 3  # cuDNN compiles norm engines at build time: ~1 s a 
 
 class CudnnBatchNorm:
     """Training batchnorm or its backward as a cuDNN frontend graph (NHWC activations, [1, C, 1, 1] fp32
-    statistics); cuDNN's momentum weighs the batch statistic, so it gets 1 - the ONNX momentum."""
+    statistics); cuDNN's momentum weighs the batch statistic, so it gets 1 - the ONNX momentum. With attr relu
+    the graph runs the ReLU after the batchnorm, or the ReLU's backward before it (fuse.with_bn_relu)."""
 
     def __init__(self, kind: str, attrs: dict, ins: list[TensorSpec], outs: list[TensorSpec], handle):
         cudnn = gpu().cudnn
@@ -312,10 +426,10 @@ class CudnnBatchNorm:
             raise ValueError("cuDNN batchnorm graphs take 4-D activations")
         check_index_range(x)
         dims, c, fp32 = list(x.shape), x.shape[1], cudnn.data_type.FLOAT
-        g = cudnn.pygraph(io_data_type=cudnn_dtype(x.dtype), intermediate_data_type=fp32, compute_data_type=fp32,
-                          handle=handle)
-        act = lambda name: g.tensor(name=name, dim=dims, stride=nhwc_strides(dims),  # noqa: E731
-                                    data_type=cudnn_dtype(x.dtype))
+        io = cudnn_dtype(x.dtype)
+        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=fp32, compute_data_type=fp32, handle=handle)
+        act = lambda name, pitch=None: g.tensor(name=name, dim=dims, stride=nhwc_strides(dims, pitch),  # noqa: E731
+                                                data_type=io)
         chan = lambda name: g.tensor(name=name, dim=[1, c, 1, 1], stride=[c, 1, c, c], data_type=fp32)  # noqa: E731
         self.host_scalars: dict = {}
         if kind == "batchnorm":
@@ -328,12 +442,24 @@ class CudnnBatchNorm:
             y, mean, invstd, rmean, rvar = g.batchnorm(input=self.ins[0], scale=self.ins[1], bias=self.ins[2],
                                                        in_running_mean=self.ins[3], in_running_var=self.ins[4],
                                                        epsilon=scalars[0], momentum=scalars[1], peer_stats=[])
+            if attrs.get("relu"):
+                y = g.relu(name="relu", input=y)
             self.outs = [y, rmean, rvar, mean, invstd]
         else:
-            self.ins = [act("x"), act("dy"), chan("scale"), chan("mean"), chan("invstd")]
-            self.outs = list(g.batchnorm_backward(grad=self.ins[1], input=self.ins[0], scale=self.ins[2],
+            self.ins = [act("x"), act("dy", ins[1].row_channels), chan("scale"), chan("mean"), chan("invstd")]
+            dy = self.ins[1]
+            if ins[1].row_channels:
+                raise ValueError("cuDNN's backward reads dy packed (measured: wrong outputs from a channel slice)")
+            if attrs.get("relu"):  # the ReLU's input recomputed from x (the pattern cuDNN fuses)
+                self.ins.append(chan("bias"))
+                y = g.batchnorm_inference(input=self.ins[0], mean=self.ins[3], inv_variance=self.ins[4],
+                                          scale=self.ins[2], bias=self.ins[5])
+                dy = g.relu_backward(name="relu_bwd", loss=dy, input=y)
+                dy.set_data_type(io)
+            self.outs = list(g.batchnorm_backward(grad=dy, input=self.ins[0], scale=self.ins[2],
                                                   mean=self.ins[3], inv_variance=self.ins[4], peer_stats=[]))
-        self.outs[0].set_dim(dims).set_stride(nhwc_strides(dims)).set_output(True).set_data_type(cudnn_dtype(x.dtype))
+        pitch = outs[0].row_channels if kind == "batchnorm" else None
+        self.outs[0].set_dim(dims).set_stride(nhwc_strides(dims, pitch)).set_output(True).set_data_type(io)
         for t in self.outs[1:]:
             t.set_dim([1, c, 1, 1]).set_stride([c, 1, c, c]).set_output(True).set_data_type(fp32)
         self.graph, self.handle = g, handle
@@ -366,12 +492,12 @@ class Lrn(SingleKernelOp):
 def _batchnorm(attrs, ins, outs, handle):
     if not attrs["training"]:
         return BatchNormInference(attrs, ins[0])
-    return Alternatives({"cupy_reduce": lambda: BatchNormTraining(attrs, ins[0]),
+    return Alternatives({"cupy_reduce": lambda: BatchNormTraining(attrs, ins[0], outs[0]),
                          "cudnn": lambda: CudnnBatchNorm("batchnorm", attrs, ins, outs, handle)})
 
 
 def _batchnorm_bwd(attrs, ins, outs, handle):
-    return Alternatives({"cupy_reduce": lambda: BatchNormBackward(ins[0]),
+    return Alternatives({"cupy_reduce": lambda: BatchNormBackward(attrs, ins),
                          "cudnn": lambda: CudnnBatchNorm("batchnorm_bwd", attrs, ins, outs, handle)})
 
 
