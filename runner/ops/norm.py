@@ -196,6 +196,21 @@ extern "C" __global__ void bn_bwd_apply(const T* x, const T* dy, T* dx, const fl
 // slices of wider buffers (pixels py, pd apart). VEC channels a thread for the first nv * VEC elements, when
 // C and the pitches are multiples of VEC and every array is 16-byte aligned; one a thread for the rest.
 
+// the affine map y = x * a + b the saved statistics give VEC channels from c: a = scale * invstd, b = bias - mean * a
+__device__ __forceinline__ void saved_affine(const float* scale, const float* bias, const float* mean,
+                                             const float* invstd, int c, float* a, float* b) {
+    float g[VEC], m[VEC], s[VEC];
+    ld_channels(scale, c, g);
+    ld_channels(bias, c, b);
+    ld_channels(mean, c, m);
+    ld_channels(invstd, c, s);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+        a[e] = s[e] * g[e];
+        b[e] = b[e] - m[e] * a[e];
+    }
+}
+
 // y = max(x * k1 + k0, 0)
 extern "C" __global__ void bn_relu_apply(const T* x, T* y, const float* k1, const float* k0, int n, int nv, int C,
                                          int py) {
@@ -223,21 +238,15 @@ extern "C" __global__ void bn_relu_bwd_apply(const T* x, const T* dr, T* dx, con
     int t = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
     for (int j = t; j < nv; j += stride) {
         int i = j * VEC, row = i / C, c = i - row * C;
-        float v[VEC], d[VEC], a2[VEC], a1[VEC], a0[VEC], g[VEC], b[VEC], m[VEC], s[VEC];
+        float v[VEC], d[VEC], a2[VEC], a1[VEC], a0[VEC], a[VEC], b[VEC];
         ldv<VEC>(x, i, v);
         ldv<VEC>(dr, (long long)row * pd + c, d);
         ld_channels(k2, c, a2);
         ld_channels(k1, c, a1);
         ld_channels(k0, c, a0);
-        ld_channels(scale, c, g);
-        ld_channels(bias, c, b);
-        ld_channels(mean, c, m);
-        ld_channels(invstd, c, s);
+        saved_affine(scale, bias, mean, invstd, c, a, b);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-            float w = g[e] * s[e];
-            v[e] = (v[e] * w + (b[e] - m[e] * w) > 0.f ? d[e] : 0.f) * a2[e] + v[e] * a1[e] + a0[e];
-        }
+        for (int e = 0; e < VEC; ++e) v[e] = (v[e] * a[e] + b[e] > 0.f ? d[e] : 0.f) * a2[e] + v[e] * a1[e] + a0[e];
         stv<VEC>(dx, i, v);
     }
     for (int i = nv * VEC + t; i < n; i += stride) {
