@@ -98,7 +98,11 @@ def _solve_fused(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     """`solve_plan` with BatchNormalizations and ReLUs fused or not (see there). A framework runs them apart, so
     the baseline stays the unfused graph's."""
     fused = [] if options.bn_relu == "apart" or options.baseline else bn_relu_candidates(graph)
-    if options.bn_relu == "auto" and not all(n.signature in profile.ops for n in bn_relu_nodes(graph)):
+    unmeasured = [n for n in bn_relu_nodes(graph) if n.signature not in profile.ops] if fused else []
+    if unmeasured and options.bn_relu == "fused":
+        raise PlannerError(f"--bn-relu fused: the profile has not measured {len(unmeasured)} fused ops (first: "
+                           f"{unmeasured[0].name}); run `planner profile` for this model on the GPU")
+    if unmeasured:
         fused = []
     if not fused:
         return _solve_concats(graph, profile, cap_bytes, options, on_progress, on_plan, work, t0)

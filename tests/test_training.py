@@ -295,6 +295,11 @@ def test_batchnorms_run_their_relus_and_compute_the_same_iteration(tmp_path):
     assert plan.bn_relu_fused == names and plan.graph_sha256 == g.graph_sha256 and check_plan(plan).ok
     runs = as_planned(g, plan.bn_relu_fused, plan.concat_views)
     assert {op.node for op in plan.ops if not op.recompute_of} <= set(runs.node_by_name)
+    unfused = profile.model_copy(update={"ops": {k: v for k, v in profile.ops.items()
+                                                 if k not in {n.signature for n in bn_relu_nodes(g)}}})
+    assert not solve_plan(g, unfused, profile.device.memory_bytes, Options(time_limit_s=0)).bn_relu_fused
+    with pytest.raises(PlannerError, match="--bn-relu fused: the profile has not measured 6 fused ops"):
+        solve_plan(g, unfused, profile.device.memory_bytes, Options(time_limit_s=0, bn_relu="fused"))
     apart_plan = solve_plan(g, profile, profile.device.memory_bytes, Options(time_limit_s=0, bn_relu="apart"))
     assert not apart_plan.bn_relu_fused and apart_plan.totals.makespan_us > plan.totals.makespan_us
     assert (plan.totals.baseline_makespan_us, plan.totals.baseline_peak_bytes) == \

@@ -18,6 +18,7 @@ from runner.ops.common import (
     Alternatives, SingleKernelOp, TensorSpec, check_index_range, f32, i32, kernel, launch_1d, vector_width,
 )
 from runner.ops.conv import build_plans, nhwc_strides
+from runner.ops.norm_relu import FUSED_RELU_SRC
 from runner.ops.reduce import splits
 
 SRC = r"""
@@ -118,27 +119,6 @@ extern "C" __global__ void bn_partial(const T* x, const T* dy, const float* mean
     store_partial(a, b, c, C, s, p1, p2);
 }
 
-// bn_partial's backward sums through the ReLU a BatchNormalization ran (attr relu): dy = dr where the ReLU's input
-// x * (scale * invstd) + bias - mean * scale * invstd, as the forward pass computed it, is positive; dr may be a
-// channel slice of a wider NHWC buffer (pixels pd apart)
-extern "C" __global__ void bn_relu_partial(const T* x, const T* dr, const float* scale, const float* bias,
-                                           const float* mean, const float* invstd, int M, int C, int S, int pd,
-                                           float* p1, float* p2) {
-    int c = blockIdx.x * 32 + threadIdx.x, s = blockIdx.y;
-    int rows = (M + S - 1) / S, r0 = s * rows, r1 = min(M, r0 + rows);
-    float a = 0.f, b = 0.f;
-    if (c < C) {
-        float m = mean[c], g = scale[c] * invstd[c], g0 = bias[c] - m * g;
-        for (int row = r0 + threadIdx.y; row < r1; row += 8) {
-            float v = ld(x, (long long)row * C + c);
-            float d = v * g + g0 > 0.f ? ld(dr, (long long)row * pd + c) : 0.f;
-            a += d;
-            b += d * (v - m);
-        }
-    }
-    store_partial(a, b, c, C, s, p1, p2);
-}
-
 __device__ __forceinline__ void channel_sums(const float* p1, const float* p2, int S, int C, float& a, float& b) {
     int c = blockIdx.x;
     a = 0.f; b = 0.f;
@@ -192,71 +172,6 @@ extern "C" __global__ void bn_bwd_apply(const T* x, const T* dy, T* dx, const fl
     GRID_LOOP(i, n) { int c = i % C; st(dx, i, ld(dy, i) * k2[c] + ld(x, i) * k1[c] + k0[c]); }
 }
 
-// The fused ReLU's passes (attr relu): element i is channel c = i % C of pixel i / C; y and dr may be channel
-// slices of wider buffers (pixels py, pd apart). VEC channels a thread for the first nv * VEC elements, when
-// C and the pitches are multiples of VEC and every array is 16-byte aligned; one a thread for the rest.
-
-// the affine map y = x * a + b the saved statistics give VEC channels from c: a = scale * invstd, b = bias - mean * a
-__device__ __forceinline__ void saved_affine(const float* scale, const float* bias, const float* mean,
-                                             const float* invstd, int c, float* a, float* b) {
-    float g[VEC], m[VEC], s[VEC];
-    ld_channels(scale, c, g);
-    ld_channels(bias, c, b);
-    ld_channels(mean, c, m);
-    ld_channels(invstd, c, s);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-        a[e] = s[e] * g[e];
-        b[e] = b[e] - m[e] * a[e];
-    }
-}
-
-// y = max(x * k1 + k0, 0)
-extern "C" __global__ void bn_relu_apply(const T* x, T* y, const float* k1, const float* k0, int n, int nv, int C,
-                                         int py) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
-    for (int j = t; j < nv; j += stride) {
-        int i = j * VEC, row = i / C, c = i - row * C;
-        float v[VEC], a[VEC], b[VEC];
-        ldv<VEC>(x, i, v);
-        ld_channels(k1, c, a);
-        ld_channels(k0, c, b);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) v[e] = fmaxf(v[e] * a[e] + b[e], 0.f);
-        stv<VEC>(y, (long long)row * py + c, v);
-    }
-    for (int i = nv * VEC + t; i < n; i += stride) {
-        int row = i / C, c = i - row * C;
-        st(y, (long long)row * py + c, fmaxf(ld(x, i) * k1[c] + k0[c], 0.f));
-    }
-}
-
-// dx = k2 * dy + k1 * x + k0, dy = dr where the ReLU's input (as in bn_relu_partial) is positive
-extern "C" __global__ void bn_relu_bwd_apply(const T* x, const T* dr, T* dx, const float* k2, const float* k1,
-                                             const float* k0, const float* scale, const float* bias,
-                                             const float* mean, const float* invstd, int n, int nv, int C, int pd) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
-    for (int j = t; j < nv; j += stride) {
-        int i = j * VEC, row = i / C, c = i - row * C;
-        float v[VEC], d[VEC], a2[VEC], a1[VEC], a0[VEC], a[VEC], b[VEC];
-        ldv<VEC>(x, i, v);
-        ldv<VEC>(dr, (long long)row * pd + c, d);
-        ld_channels(k2, c, a2);
-        ld_channels(k1, c, a1);
-        ld_channels(k0, c, a0);
-        saved_affine(scale, bias, mean, invstd, c, a, b);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) v[e] = (v[e] * a[e] + b[e] > 0.f ? d[e] : 0.f) * a2[e] + v[e] * a1[e] + a0[e];
-        stv<VEC>(dx, i, v);
-    }
-    for (int i = nv * VEC + t; i < n; i += stride) {
-        int row = i / C, c = i - row * C;
-        float v = ld(x, i), w = scale[c] * invstd[c];
-        float d = v * w + (bias[c] - mean[c] * w) > 0.f ? ld(dr, (long long)row * pd + c) : 0.f;
-        st(dx, i, d * k2[c] + v * k1[c] + k0[c]);
-    }
-}
-
 __device__ __forceinline__ float lrn_scale(const T* x, int base, int j, int C, int size, float alpha_n, float bias) {
     float s = 0.f;
     for (int k = max(0, j - (size - 1) / 2); k <= min(C - 1, j + size / 2); ++k) { float v = ld(x, base + k); s += v * v; }
@@ -284,7 +199,7 @@ extern "C" __global__ void lrn_bwd(const T* x, const T* dy, T* dx, int n, int C,
         st(dx, i, ld(dy, i) * powf(own, -beta) - 2.f * beta * alpha_n * ld(x, i) * acc);
     }
 }
-"""
+""" + FUSED_RELU_SRC
 
 
 def _rows_channels(x: TensorSpec) -> tuple[int, int]:
@@ -398,7 +313,7 @@ class BatchNormBackward(_ColumnStats):
     def __init__(self, attrs, ins: list[TensorSpec]):
         super().__init__(ins[0], coefficients=3)
         self.relu = bool(attrs.get("relu"))
-        self.pitch = (ins[1].row_channels or self.c) if self.relu else self.c
+        self.pitch = ins[1].row_channels or self.c
 
     def run(self, inputs, outputs, workspace):
         x, dy, scale, mean, invstd = inputs[:5]
@@ -437,8 +352,7 @@ class CudnnBatchNorm:
         dims, c, fp32 = list(x.shape), x.shape[1], cudnn.data_type.FLOAT
         io = cudnn_dtype(x.dtype)
         g = cudnn.pygraph(io_data_type=io, intermediate_data_type=fp32, compute_data_type=fp32, handle=handle)
-        act = lambda name, pitch=None: g.tensor(name=name, dim=dims, stride=nhwc_strides(dims, pitch),  # noqa: E731
-                                                data_type=io)
+        act = lambda name: g.tensor(name=name, dim=dims, stride=nhwc_strides(dims), data_type=io)  # noqa: E731
         chan = lambda name: g.tensor(name=name, dim=[1, c, 1, 1], stride=[c, 1, c, c], data_type=fp32)  # noqa: E731
         self.host_scalars: dict = {}
         if kind == "batchnorm":
@@ -455,10 +369,10 @@ class CudnnBatchNorm:
                 y = g.relu(name="relu", input=y)
             self.outs = [y, rmean, rvar, mean, invstd]
         else:
-            self.ins = [act("x"), act("dy", ins[1].row_channels), chan("scale"), chan("mean"), chan("invstd")]
-            dy = self.ins[1]
             if ins[1].row_channels:
                 raise ValueError("cuDNN's backward reads dy packed (measured: wrong outputs from a channel slice)")
+            self.ins = [act("x"), act("dy"), chan("scale"), chan("mean"), chan("invstd")]
+            dy = self.ins[1]
             if attrs.get("relu"):  # the ReLU's input recomputed from x (the pattern cuDNN fuses)
                 self.ins.append(chan("bias"))
                 y = g.batchnorm_inference(input=self.ins[0], mean=self.ins[3], inv_variance=self.ins[4],
