@@ -229,10 +229,9 @@ def with_bn_relu(graph: Graph, names: list[str]) -> Graph:
     return graph
 
 
-def bn_relu_nodes(graph: Graph) -> list[Node]:
-    """The BatchNormalizations running their ReLUs and their backwards when every candidate is fused: the
+def bn_relu_nodes(fused: Graph) -> list[Node]:
+    """The BatchNormalizations running their ReLUs, and their backwards, in a graph `with_bn_relu` made: the
     profile measures them beside the graph's own, and solve fuses where it did."""
-    fused = with_bn_relu(graph, bn_relu_candidates(graph))
     return [n for n in fused.nodes if n.kind in ("batchnorm", "batchnorm_bwd") and n.attrs.get("relu")]
 
 

@@ -98,13 +98,12 @@ def _solve_fused(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     """`solve_plan` with BatchNormalizations and ReLUs fused or not (see there). A framework runs them apart, so
     the baseline stays the unfused graph's."""
     fused = [] if options.bn_relu == "apart" or options.baseline else bn_relu_candidates(graph)
-    unmeasured = [n for n in bn_relu_nodes(graph) if n.signature not in profile.ops] if fused else []
+    fused_graph = with_bn_relu(graph, fused)
+    unmeasured = [n for n in bn_relu_nodes(fused_graph) if n.signature not in profile.ops]
     if unmeasured and options.bn_relu == "fused":
         raise PlannerError(f"--bn-relu fused: the profile has not measured {len(unmeasured)} fused ops (first: "
                            f"{unmeasured[0].name}); run `planner profile` for this model on the GPU")
-    if unmeasured:
-        fused = []
-    if not fused:
+    if not fused or unmeasured:
         return _solve_concats(graph, profile, cap_bytes, options, on_progress, on_plan, work, t0)
     if profile.graph_sha256 not in (None, graph.graph_sha256):
         raise PlannerError("the profile was assembled for another graph (model, batch, dtype or mode differ)")
@@ -113,7 +112,7 @@ def _solve_fused(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         plan.graph_sha256, plan.bn_relu_fused = graph.graph_sha256, fused  # may be the plan, `--time-limit 0`)
         return plan
 
-    plan = on_model(_solve_concats(with_bn_relu(graph, fused), profile.model_copy(update={"graph_sha256": None}),
+    plan = on_model(_solve_concats(fused_graph, profile.model_copy(update={"graph_sha256": None}),
                                    cap_bytes, options, on_progress, (lambda first: on_plan(on_model(first)))
                                    if on_plan else None, work, t0))
     plan.totals.status += f"; {len(fused)} BatchNormalizations run their ReLUs"

@@ -195,7 +195,7 @@ def optional_nodes(graph: Graph) -> list[Node]:
     fused = with_bn_relu(graph, bn_relu_candidates(graph))
     nodes = list(recompute_nodes(graph).values()) + concat_view_nodes(graph)
     if fused is not graph:
-        nodes += bn_relu_nodes(graph) + list(recompute_nodes(fused).values()) + concat_view_nodes(fused)
+        nodes += bn_relu_nodes(fused) + list(recompute_nodes(fused).values()) + concat_view_nodes(fused)
     return list({n.signature: n for n in nodes}.values())
 
 

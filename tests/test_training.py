@@ -290,13 +290,13 @@ def test_batchnorms_run_their_relus_and_compute_the_same_iteration(tmp_path):
     assert all(np.allclose(fused[k], apart[k], rtol=1e-12, atol=1e-15) for k in fused)
 
     profile = estimate_profile(g, load_device("h100"))
-    assert {n.signature for n in bn_relu_nodes(g)} <= profile.ops.keys()  # estimated with the graph's own
+    assert {n.signature for n in bn_relu_nodes(f)} <= profile.ops.keys()  # estimated with the graph's own
     plan = solve_plan(g, profile, profile.device.memory_bytes, Options(time_limit_s=0))
     assert plan.bn_relu_fused == names and plan.graph_sha256 == g.graph_sha256 and check_plan(plan).ok
     runs = as_planned(g, plan.bn_relu_fused, plan.concat_views)
     assert {op.node for op in plan.ops if not op.recompute_of} <= set(runs.node_by_name)
     unfused = profile.model_copy(update={"ops": {k: v for k, v in profile.ops.items()
-                                                 if k not in {n.signature for n in bn_relu_nodes(g)}}})
+                                                 if k not in {n.signature for n in bn_relu_nodes(f)}}})
     assert not solve_plan(g, unfused, profile.device.memory_bytes, Options(time_limit_s=0)).bn_relu_fused
     with pytest.raises(PlannerError, match="--bn-relu fused: the profile has not measured 6 fused ops"):
         solve_plan(g, unfused, profile.device.memory_bytes, Options(time_limit_s=0, bn_relu="fused"))

@@ -255,6 +255,17 @@ def launch_flat(fn, n: int, dtype: str, arrays: list, *params) -> None:
     launch_1d(fn, max(nv, n - nv * width), *arrays, i32(n), i32(nv), *params)
 
 
+def launch_rows(fn, n: int, channels: int, dtype: str, arrays: list, pitches: list[int]) -> None:
+    """A kernel over channel slices of NHWC buffers, fn(arrays..., n, nv, channels, pitches...): VEC channels a
+    thread for the first nv * VEC elements where the channel count, every pitch and every array's alignment
+    allow (nv = 0 otherwise), one a thread for the rest."""
+    width = vector_width(dtype, *arrays)
+    if any(v % width for v in (channels, *pitches)):
+        width = 1
+    nv = n // width if width > 1 else 0
+    launch_1d(fn, max(nv, n - nv * width), *arrays, i32(n), i32(nv), i32(channels), *(i32(p) for p in pitches))
+
+
 def i32(v) -> np.int32:
     return np.int32(v)
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from runner.ops.common import (
     NUMPY_DTYPE, SingleKernelOp, TensorSpec, blocks_for, broadcast_view, check_index_range, f32, i32, kernel,
-    launch_1d, launch_flat, logical_strides, physical, physical_axis, vector_width,
+    launch_1d, launch_flat, launch_rows, logical_strides, physical, physical_axis,
 )
 from runner.ops.reduce import Reduction
 
@@ -176,13 +176,8 @@ class SlicedPointwise(SingleKernelOp):
         self.pitches = [s.row_channels or s.shape[1] for s in operands]
 
     def run(self, inputs, outputs, workspace):
-        arrays = [*inputs, *outputs]
-        width = vector_width(self.dtype, *arrays)
-        if any(v % width for v in (self.channels, *self.pitches)):
-            width = 1
-        nv = self.n // width if width > 1 else 0
-        launch_1d(kernel(SRC, self.kernel_name, self.dtype), max(nv, self.n - nv * width), *arrays, i32(self.n),
-                  i32(nv), i32(self.channels), *(i32(p) for p in self.pitches))
+        launch_rows(kernel(SRC, self.kernel_name, self.dtype), self.n, self.channels, self.dtype,
+                    [*inputs, *outputs], self.pitches)
 
 
 def _relu(attrs, ins, outs, handle):

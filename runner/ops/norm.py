@@ -15,7 +15,8 @@ import numpy as np
 
 from runner.gpu import cudnn_dtype, device_pointer, gpu
 from runner.ops.common import (
-    Alternatives, SingleKernelOp, TensorSpec, check_index_range, f32, i32, kernel, launch_1d, vector_width,
+    Alternatives, SingleKernelOp, TensorSpec, check_index_range, f32, i32, kernel, launch_1d, launch_rows,
+    vector_width,
 )
 from runner.ops.conv import build_plans, nhwc_strides
 from runner.ops.norm_relu import FUSED_RELU_SRC
@@ -273,16 +274,6 @@ class _ColumnStats(SingleKernelOp):
                 i32(self.splits), p1, p2)
         kernel(SRC, "bn_partial", self.dtype)(self.grid, (32, 8), args)
 
-    def launch_rows(self, name: str, arrays: list, pitches: list[int]) -> None:
-        """A fused-ReLU pass fn(arrays..., n, nv, C, pitches...), VEC channels a thread where C, the pitches and
-        every array's alignment allow."""
-        width = vector_width(self.dtype, *arrays)
-        if any(v % width for v in (self.c, *pitches)):
-            width = 1
-        nv = self.n // width if width > 1 else 0
-        launch_1d(kernel(SRC, name, self.dtype), max(nv, self.n - nv * width), *arrays, i32(self.n), i32(nv),
-                  i32(self.c), *(i32(p) for p in pitches))
-
 
 class BatchNormTraining(_ColumnStats):
     """With attr relu, y is the ReLU of the normalised x, written with `y`'s pitch (fuse.with_bn_relu)."""
@@ -301,7 +292,8 @@ class BatchNormTraining(_ColumnStats):
             p1, p2, i32(self.splits), i32(self.m), i32(self.c), x, scale, bias, rmean, rvar, rmean_out, rvar_out,
             saved_mean, saved_invstd, k1, k0, self.eps, self.momentum))
         if self.relu:
-            self.launch_rows("bn_relu_apply", [x, y, k1, k0], [self.pitch])
+            launch_rows(kernel(SRC, "bn_relu_apply", self.dtype), self.n, self.c, self.dtype, [x, y, k1, k0],
+                        [self.pitch])
         else:
             launch_1d(kernel(SRC, "bn_apply", self.dtype), self.n, x, y, k1, k0, i32(self.n), i32(self.c))
 
@@ -328,8 +320,8 @@ class BatchNormBackward(_ColumnStats):
         kernel(SRC, "bn_bwd_stats", self.dtype)((self.c,), (32,), (
             p1, p2, i32(self.splits), i32(self.m), i32(self.c), scale, mean, invstd, dscale, dbias, k2, k1, k0))
         if self.relu:
-            self.launch_rows("bn_relu_bwd_apply", [x, dy, dx, k2, k1, k0, scale, inputs[5], mean, invstd],
-                             [self.pitch])
+            launch_rows(kernel(SRC, "bn_relu_bwd_apply", self.dtype), self.n, self.c, self.dtype,
+                        [x, dy, dx, k2, k1, k0, scale, inputs[5], mean, invstd], [self.pitch])
         else:
             launch_1d(kernel(SRC, "bn_bwd_apply", self.dtype), self.n, x, dy, dx, k2, k1, k0, i32(self.n),
                       i32(self.c))
