@@ -17,13 +17,16 @@ Training fusion: a BatchNormalization that only a ReLU reads may run that ReLU i
 backward the ReLU's (the gradient masked where the ReLU's input, recomputed from x and the saved statistics, is
 not positive: cuDNN fuses that pattern, and the backward needs no ReLU output), so neither the
 BatchNormalization's output nor the gradient there is written and read once more, and two kernels fewer run per
-layer (GoogLeNet training: 114 of its ops). Solve fuses them where the profile measured the fused ops
+layer (GoogLeNet training: 114 of its ops). Where a residual Add sits between them (ResNet's block ends), the
+BatchNormalization adds the residual too and only the forward fuses: the ReLU's backward output is also the
+residual's gradient, so it is written all the same. Solve fuses them where the profile measured the fused ops
 (`Plan.bn_relu_fused`).
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 from planner import ops
 from planner.files import PlannerError
@@ -173,23 +176,39 @@ def concat_view_nodes(graph: Graph) -> list[Node]:
     return [n for n in viewed.nodes if "concat_channels" in n.attrs]
 
 
-def _bn_relu_chains(graph: Graph) -> dict[str, tuple[Node, Node, Node, Node]]:
-    """BatchNormalization name -> (it, the ReLU that alone reads it, their backwards) where the ReLU can run
-    inside it: a training graph's BatchNormalization whose output only the ReLU reads, and whose gradient only
-    the ReLU's backward makes and only its own backward reads."""
+class _BnRelu(NamedTuple):
+    """A BatchNormalization that can run the ReLU after it, the residual Add between them if any, and the
+    backwards: with no Add, both backwards fuse too; with one, the ReLU's backward stays (its gradient is also
+    the residual's)."""
+
+    bn: Node
+    add: Node | None
+    relu: Node
+    relu_bwd: Node
+    bn_bwd: Node
+
+
+def _bn_relu_chains(graph: Graph) -> dict[str, _BnRelu]:
+    """BatchNormalization name -> its chain (`_BnRelu`) where the ReLU can run inside it: a training graph's
+    BatchNormalization whose output only the ReLU reads, or only an Add of a same-shape residual that only the
+    ReLU reads, and whose gradient the ReLU's backward makes (and, without the Add, only its own backward reads).
+    An Add of two BatchNormalizations' outputs goes to the first."""
     grads = {n.forward_of: n for n in graph.nodes if n.kind in ("relu_bwd", "batchnorm_bwd")}
-    chains = {}
+    chains, adds = {}, set()
     for bn in graph.nodes:
         if bn.kind != "batchnorm" or not bn.attrs.get("training") or bn.attrs.get("relu") or bn.phase != "forward":
             continue
-        relu = graph.only_consumer(bn.outputs[0], "relu")
+        y, add = bn.outputs[0], graph.only_consumer(bn.outputs[0], "add")
+        if add is not None and (add.name in adds or _residual(graph, add, y) is None):
+            continue
+        relu = graph.only_consumer(add.outputs[0] if add else y, "relu")
         relu_bwd, bn_bwd = grads.get(relu.name) if relu else None, grads.get(bn.name)
-        if relu is None or relu.attrs or relu_bwd is None or bn_bwd is None:
+        if relu is None or relu.attrs or relu_bwd is None or bn_bwd is None or relu_bwd.inputs[0] != relu.outputs[0]:
             continue
         dy = relu_bwd.outputs[0]
-        if relu_bwd.inputs[0] == relu.outputs[0] and bn_bwd.inputs[1] == dy and graph.tensors[dy].consumers == [
-                bn_bwd.name]:
-            chains[bn.name] = (bn, relu, relu_bwd, bn_bwd)
+        if bn_bwd.inputs[1] == dy and (add is not None or graph.tensors[dy].consumers == [bn_bwd.name]):
+            chains[bn.name] = _BnRelu(bn, add, relu, relu_bwd, bn_bwd)
+            adds |= {add.name} if add else set()
     return chains
 
 
@@ -199,9 +218,12 @@ def bn_relu_candidates(graph: Graph) -> list[str]:
 
 
 def with_bn_relu(graph: Graph, names: list[str]) -> Graph:
-    """A copy of the graph in which each named BatchNormalization writes its ReLU's output (attr relu) and its
-    backward takes the ReLU's output gradient and the bias ([x, dr, scale, saved_mean, saved_invstd, bias]); the
-    ReLU, its backward and the two tensors between them go. The graph itself when `names` is empty."""
+    """A copy of the graph in which each named BatchNormalization writes its ReLU's output (attr relu). Without
+    a residual Add between them, its backward takes the ReLU's output gradient and the bias ([x, dr, scale,
+    saved_mean, saved_invstd, bias], attr relu), and the ReLU, its backward and the two tensors between them go.
+    With one, it also takes the residual (attr residual: relu(bn(x) + z), z its last input) and takes the place
+    of the ReLU, where z is computed; the Add, the ReLU and their outputs go, and the ReLU's backward now
+    differentiates it. The graph itself when `names` is empty."""
     if not names:
         return graph
     chains = _bn_relu_chains(graph)
@@ -210,16 +232,24 @@ def with_bn_relu(graph: Graph, names: list[str]) -> Graph:
         raise PlannerError(f"batchnorm {unknown[0]!r} cannot run its ReLU in {graph.model_name} "
                            "(the plan was made for another graph)")
     graph = graph.model_copy(deep=True)
-    by_name, dropped = graph.node_by_name, set()
+    by_name, dropped, moved = graph.node_by_name, set(), {}
     for name in names:
-        bn, relu, relu_bwd, bn_bwd = (by_name[n.name] for n in chains[name])
-        y, dy, r, dr = bn.outputs[0], relu_bwd.outputs[0], relu.outputs[0], relu_bwd.inputs[1]
+        bn, add, relu, relu_bwd, bn_bwd = (by_name[n.name] if n else None for n in chains[name])
+        y, r = bn.outputs[0], relu.outputs[0]
         bn.outputs[0], bn.attrs = r, dict(bn.attrs, relu=1)
+        if add is not None:
+            bn.inputs.append(_residual(graph, add, y))
+            bn.attrs["residual"] = 1
+            relu_bwd.forward_of, moved[relu.name] = bn.name, bn
+            dropped |= {bn.name, add.name}
+            del graph.tensors[y], graph.tensors[add.outputs[0]]
+            continue
+        dy, dr = relu_bwd.outputs[0], relu_bwd.inputs[1]
         bn_bwd.inputs = [bn_bwd.inputs[0], dr, *bn_bwd.inputs[2:5], bn.inputs[2]]
         bn_bwd.attrs = dict(bn_bwd.attrs, relu=1)
         dropped |= {relu.name, relu_bwd.name}
         del graph.tensors[y], graph.tensors[dy]
-    graph.nodes = [n for n in graph.nodes if n.name not in dropped]
+    graph.nodes = [moved.get(n.name, n) for n in graph.nodes if n.name not in dropped]
     finalize(graph)
     record_saved_for_backward(graph)
     for n in graph.nodes:

@@ -176,7 +176,8 @@ def recompute_nodes(graph: Graph) -> dict[tuple[str, ...], Node]:
     BatchNormalization and the ReLU after it ([bn, relu]), or the Add of a residual and the ReLU after that
     ([bn, add, relu]), as one `bn_apply` node that reads the saved statistics and writes the ReLU's output. They
     are not part of the graph; the profiler measures them and the solver prices a recomputation with them. A
-    BatchNormalization that runs its ReLU itself (attr relu, fuse.with_bn_relu) is a chain of one ([bn])."""
+    BatchNormalization that runs its ReLU itself (attr relu, fuse.with_bn_relu; its residual, attr residual, is
+    its last input) is a chain of one ([bn])."""
     if not graph.training:
         return {}
     by_name = graph.node_by_name
@@ -190,7 +191,7 @@ def recompute_nodes(graph: Graph) -> dict[tuple[str, ...], Node]:
         if bn.kind != "batchnorm" or not bn.attrs.get("training") or bn.phase != "forward":
             continue
         inputs = [*bn.inputs[:3], *bn.outputs[3:5]]
-        chain, residual, nxt = [bn], [], bn
+        chain, residual, nxt = [bn], bn.inputs[5:], bn
         if not bn.attrs.get("relu"):
             nxt = only_forward_consumer(bn.outputs[0])
             if nxt is not None and nxt.kind == "add":

@@ -75,9 +75,10 @@ _k("conv_fused", "[x, w, b?, z?] -> [y]: relu?(conv(x, w) + b + z): an inference
 _k("batchnorm", "[x, scale, bias, running_mean, running_var] -> [y] (training=False) or [y, running_mean', running_var', "
    "saved_mean, saved_invstd] (training=True: batch statistics, population variance, ONNX momentum rule, "
    "running stats updated in place); attrs epsilon, momentum, training; attr relu (training, optional): y is the "
-   "ReLU of it (fuse.with_bn_relu); attr concat_channels (optional, with relu): y is a channel slice of a "
-   "concat_view's output with that many channels", recomputable=True,
-   flops=lambda i, o, a: (4 + a.get("relu", 0)) * _numel(i[0]))
+   "ReLU of it (fuse.with_bn_relu); attr residual (optional, with relu): [x, scale, bias, running_mean, "
+   "running_var, z] and y = relu(batchnorm(x) + z); attr concat_channels (optional, with relu): y is a channel "
+   "slice of a concat_view's output with that many channels", recomputable=True,
+   flops=lambda i, o, a: (4 + a.get("relu", 0) + a.get("residual", 0)) * _numel(i[0]))
 _k("bn_apply", "[x, scale, bias, saved_mean, saved_invstd, z?] -> [y]: relu?(scale * (x - saved_mean) * saved_invstd "
    "+ bias + z): a training BatchNormalization (with the Add (attr residual) and ReLU (attr relu) after it) "
    "recomputed in the backward pass from the statistics its forward pass saved; made by "

@@ -129,8 +129,8 @@ class Plan(BaseModel):
     concat_views: list[str] = Field(default_factory=list, description="concats run as concat_view: their "
                                     "producers write into the output's channel slices (fuse.with_concat_views)")
     bn_relu_fused: list[str] = Field(default_factory=list, description="training BatchNormalizations that run the "
-                                     "ReLU after them, their backwards the ReLU's (fuse.with_bn_relu; applied "
-                                     "before concat_views)")
+                                     "ReLU after them (and a residual Add between), their backwards the ReLU's "
+                                     "where no Add is (fuse.with_bn_relu; applied before concat_views)")
     ops: list[ScheduledOp]
     copies: list[Copy] = Field(default_factory=list)
     tensors: list[Residency] = Field(default_factory=list)

@@ -84,9 +84,10 @@ def solve_plan(graph: Graph, profile: Profile, cap_bytes: int, options: Options 
     `deterministic`: then the same plan comes on any machine, past the limit where the machine is slower than the
     budget counts (up to RUNAWAY times the limit, where the status says the plan may differ).
 
-    Before the concats, `bn_relu` "auto" fuses each training BatchNormalization with the ReLU after it
-    (fuse.with_bn_relu) where the profile measured the fused ops: they do the same work in fewer passes and
-    launches, and leave the solver the same choices. "fused" insists, "apart" (and the baseline) never fuses."""
+    Before the concats, `bn_relu` "auto" fuses each training BatchNormalization with the ReLU after it (and a
+    residual Add between them; fuse.with_bn_relu) where the profile measured the fused ops: they do the same work
+    in fewer passes and launches, and leave the solver the same choices. "fused" insists on all, "apart" (and the
+    baseline) never fuses."""
     t0, work = time.monotonic(), Work()
     plan = _solve_fused(graph, profile, cap_bytes, options, on_progress, on_plan, work, t0)
     plan.totals.solve_time_s = time.monotonic() - t0
@@ -98,13 +99,14 @@ def _solve_fused(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     """`solve_plan` with BatchNormalizations and ReLUs fused or not (see there). A framework runs them apart, so
     the baseline stays the unfused graph's."""
     fused = [] if options.bn_relu == "apart" or options.baseline else bn_relu_candidates(graph)
-    fused_graph = with_bn_relu(graph, fused)
-    unmeasured = [n for n in bn_relu_nodes(fused_graph) if n.signature not in profile.ops]
+    unmeasured = [n for n in bn_relu_nodes(with_bn_relu(graph, fused)) if n.signature not in profile.ops]
     if unmeasured and options.bn_relu == "fused":
         raise PlannerError(f"--bn-relu fused: the profile has not measured {len(unmeasured)} fused ops (first: "
                            f"{unmeasured[0].name}); run `planner profile` for this model on the GPU")
-    if not fused or unmeasured:
+    fused = [name for name in fused if name not in {n.forward_of or n.name for n in unmeasured}]
+    if not fused:
         return _solve_concats(graph, profile, cap_bytes, options, on_progress, on_plan, work, t0)
+    fused_graph = with_bn_relu(graph, fused)
     if profile.graph_sha256 not in (None, graph.graph_sha256):
         raise PlannerError("the profile was assembled for another graph (model, batch, dtype or mode differ)")
 

@@ -84,9 +84,10 @@ def _gemm(a, b, c=None, transA=0, transB=0, alpha=1.0, beta=1.0):
     return y if c is None else y + beta * c
 
 
-def _batchnorm(net, x, scale, bias, mean, var, epsilon, momentum, training, relu=0):
+def _batchnorm(net, x, scale, bias, mean, var, z=None, *, epsilon, momentum, training, relu=0, residual=0):
     y = F.batch_norm(x, mean, var, scale, bias, training, 1.0 - momentum, epsilon)
-    return F.relu(y) if relu else y  # a plan's BatchNormalization that runs its ReLU (PyTorch runs it apart)
+    y = y + z if residual else y  # a plan's BatchNormalization that runs its Add and ReLU (PyTorch runs them apart)
+    return F.relu(y) if relu else y
 
 
 def _dropout(x, ratio, seed):

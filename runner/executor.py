@@ -204,7 +204,7 @@ class Execution:
                 made[self.graph.storage_of(node.outputs[0])] = outputs[0]
                 used += aligned(first.bytes)
             if node.kind == "batchnorm":  # unfused, re-applied: the statistics its forward pass saved
-                inputs = inputs[:3] + [self.array(key, t) for t in node.outputs[3:5]]
+                inputs = inputs[:3] + [self.array(key, t) for t in node.outputs[3:5]] + inputs[5:]
             impl.launch(index, inputs, outputs, workspace[used:])
 
     def launch_copy(self, j: int, copy: Copy) -> None:

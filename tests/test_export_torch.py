@@ -104,19 +104,21 @@ def test_a_plans_order_holds_every_forward_node_views_after_their_producer(tmp_p
     assert np.abs(got - expected).max() <= 1e-8 * max(1.0, np.abs(expected).max())
 
 
-def test_a_plan_with_fused_batchnorms_exports_the_same_training_step(tmp_path):
-    """A training plan whose BatchNormalizations run their ReLUs (fuse.with_bn_relu) exports each as PyTorch's
-    batch_norm then relu, and the step computes the reference's loss."""
+@pytest.mark.parametrize("model,fused,residual", [("googlenet", 57, 0), ("resnet50", 49, 16)])
+def test_a_plan_with_fused_batchnorms_exports_the_same_training_step(tmp_path, model, fused, residual):
+    """A training plan whose BatchNormalizations run their ReLUs, and ResNet-50's the residual Add before it too
+    (fuse.with_bn_relu), exports each as PyTorch's batch_norm, add, relu, and the step computes the reference's
+    loss."""
     from planner.analytic import estimate_profile
     from planner.devices import load_device
     from planner.solve import Options, solve_plan
 
-    g = build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=2, training=True, input_hw=(64, 64)))
+    g = build_training(import_onnx(MODELS / f"{model}.train.onnx", batch=2, training=True, input_hw=(64, 64)))
     h100 = load_device("h100")
     plan = solve_plan(g, estimate_profile(g, h100), h100.memory_bytes, Options(time_limit_s=0))
-    assert len(plan.bn_relu_fused) == 57
+    assert len(plan.bn_relu_fused) == fused
     source = torch_module_source(g, plan)
-    assert source.count("'relu': 1") == 57
+    assert source.count("'relu': 1") == fused and source.count("'residual': 1") == residual
     torch = pytest.importorskip("torch")
     reference = pytest.importorskip("planner.reference")
     values = {**reference.random_parameters(g, seed=0), **reference.random_inputs(g, seed=1)}

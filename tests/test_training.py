@@ -304,3 +304,42 @@ def test_batchnorms_run_their_relus_and_compute_the_same_iteration(tmp_path):
     assert not apart_plan.bn_relu_fused and apart_plan.totals.makespan_us > plan.totals.makespan_us
     assert (plan.totals.baseline_makespan_us, plan.totals.baseline_peak_bytes) == \
         (apart_plan.totals.baseline_makespan_us, apart_plan.totals.baseline_peak_bytes)
+
+
+def test_batchnorms_run_the_residual_add_and_relu_after_them(tmp_path):
+    """fuse.with_bn_relu at a residual block's end: the BatchNormalization adds the residual and runs the ReLU
+    (attr residual, the residual its last input) where the ReLU was; the ReLU's backward stays, now its backward,
+    and its output is both gradients still. Same iteration; solve fuses each chain the profile measured."""
+    from planner import reference
+    from planner.analytic import estimate_profile
+    from planner.check import check_plan
+    from planner.devices import load_device
+    from planner.fuse import as_planned, bn_relu_candidates, bn_relu_nodes, with_bn_relu
+    from planner.ir import recompute_nodes
+    from planner.solve import Options, solve_plan
+
+    g = build_training(import_onnx(_block_model(tmp_path, _residual_block), batch=2, training=True))
+    names = bn_relu_candidates(g)
+    assert names == [n.name for n in g.nodes if n.kind == "batchnorm"]
+    f = with_bn_relu(g, names)
+    bn2 = f.node_by_name["bn2"]
+    assert bn2.attrs["residual"] == 1 and bn2.inputs[5] == "s" and bn2.outputs[0] == "out"
+    assert not any(n.kind == "add" and n.phase == "forward" for n in f.nodes) and "sum" not in f.tensors
+    relu_bwd = next(n for n in f.nodes if n.kind == "relu_bwd")
+    assert relu_bwd.forward_of == "bn2" and relu_bwd.inputs[0] == "out"
+    assert relu_bwd.outputs[0] == f.node_by_name["batchnorm_bwd:bn2"].inputs[1]
+    assert "relu" not in f.node_by_name["batchnorm_bwd:bn2"].attrs
+    assert [n.name for n in f.nodes].index("bn2") > [n.name for n in f.nodes].index("bn0")
+    assert recompute_nodes(f)[("bn2",)].signature == recompute_nodes(g)[("bn2", "sum", "out")].signature
+    values = {**reference.random_parameters(g, seed=1), **reference.random_inputs(g, seed=2)}
+    apart, fused = reference.run(g, dict(values)), reference.run(f, dict(values))
+    assert fused.keys() <= apart.keys()
+    assert all(np.allclose(fused[k], apart[k], rtol=1e-12, atol=1e-15) for k in fused)
+
+    profile = estimate_profile(g, load_device("h100"))
+    plan = solve_plan(g, profile, profile.device.memory_bytes, Options(time_limit_s=0))
+    assert plan.bn_relu_fused == names and check_plan(plan).ok
+    assert {op.node for op in plan.ops if not op.recompute_of} <= set(as_planned(g, names, []).node_by_name)
+    residual = {n.signature for n in bn_relu_nodes(f) if n.attrs.get("residual")}
+    partial = profile.model_copy(update={"ops": {k: v for k, v in profile.ops.items() if k not in residual}})
+    assert solve_plan(g, partial, profile.device.memory_bytes, Options(time_limit_s=0)).bn_relu_fused == names[:2]

@@ -12,7 +12,7 @@ def _stat_axes(x):
 
 
 def batchnorm(inputs, attrs):
-    x, scale, bias, mean, var = inputs
+    x, scale, bias, mean, var = inputs[:5]
     eps = attrs["epsilon"]
     cv = lambda v: _channel_view(v, x.ndim)  # noqa: E731
     if not attrs["training"]:
@@ -22,7 +22,8 @@ def batchnorm(inputs, attrs):
     invstd = 1.0 / np.sqrt(batch_var + eps)
     y = cv(scale) * (x - cv(batch_mean)) * cv(invstd) + cv(bias)
     m = attrs["momentum"]
-    y = np.maximum(y, 0) if attrs.get("relu") else y  # the ReLU it runs (fuse.with_bn_relu)
+    y = y + inputs[5] if attrs.get("residual") else y  # the Add and ReLU it runs (fuse.with_bn_relu)
+    y = np.maximum(y, 0) if attrs.get("relu") else y
     return [y, mean * m + batch_mean * (1 - m), var * m + batch_var * (1 - m), batch_mean, invstd]
 
 

@@ -276,22 +276,26 @@ class _ColumnStats(SingleKernelOp):
 
 
 class BatchNormTraining(_ColumnStats):
-    """With attr relu, y is the ReLU of the normalised x, written with `y`'s pitch (fuse.with_bn_relu)."""
+    """With attr relu, y is the ReLU of the normalised x, written with `y`'s pitch; with attr residual too, the
+    ReLU of it plus the last input, applied as a recomputation would be, from the statistics (fuse.with_bn_relu)."""
 
     def __init__(self, attrs, x: TensorSpec, y: TensorSpec):
         super().__init__(x, coefficients=2)
         self.eps, self.momentum = f32(attrs["epsilon"]), f32(attrs["momentum"])
         self.relu, self.pitch = bool(attrs.get("relu")), y.row_channels or self.c
+        self.residual = BatchNormApply(attrs, x) if attrs.get("residual") else None
 
     def run(self, inputs, outputs, workspace):
-        x, scale, bias, rmean, rvar = inputs
+        x, scale, bias, rmean, rvar = inputs[:5]
         y, rmean_out, rvar_out, saved_mean, saved_invstd = outputs
         p1, p2, k1, k0 = self.views(workspace)
         self.partial(x, None, None, p1, p2)
         kernel(SRC, "bn_stats", self.dtype)((self.c,), (32,), (
             p1, p2, i32(self.splits), i32(self.m), i32(self.c), x, scale, bias, rmean, rvar, rmean_out, rvar_out,
             saved_mean, saved_invstd, k1, k0, self.eps, self.momentum))
-        if self.relu:
+        if self.residual is not None:
+            self.residual.run([x, scale, bias, saved_mean, saved_invstd, inputs[5]], [y], None)
+        elif self.relu:
             launch_rows(kernel(SRC, "bn_relu_apply", self.dtype), self.n, self.c, self.dtype, [x, y, k1, k0],
                         [self.pitch])
         else:
@@ -333,7 +337,8 @@ RUNTIME_COMPILED_PLANS = 3  # cuDNN compiles norm engines at build time: ~1 s a 
 class CudnnBatchNorm:
     """Training batchnorm or its backward as a cuDNN frontend graph (NHWC activations, [1, C, 1, 1] fp32
     statistics); cuDNN's momentum weighs the batch statistic, so it gets 1 - the ONNX momentum. With attr relu
-    the graph runs the ReLU after the batchnorm, or the ReLU's backward before it (fuse.with_bn_relu)."""
+    the graph runs the ReLU after the batchnorm (after adding the residual, attr residual), or the ReLU's
+    backward before it (fuse.with_bn_relu)."""
 
     def __init__(self, kind: str, attrs: dict, ins: list[TensorSpec], outs: list[TensorSpec], handle):
         cudnn = gpu().cudnn
@@ -357,6 +362,9 @@ class CudnnBatchNorm:
             y, mean, invstd, rmean, rvar = g.batchnorm(input=self.ins[0], scale=self.ins[1], bias=self.ins[2],
                                                        in_running_mean=self.ins[3], in_running_var=self.ins[4],
                                                        epsilon=scalars[0], momentum=scalars[1], peer_stats=[])
+            if attrs.get("residual"):
+                self.ins.append(act("z"))
+                y = g.add(name="residual", a=y, b=self.ins[5])
             if attrs.get("relu"):
                 y = g.relu(name="relu", input=y)
             self.outs = [y, rmean, rvar, mean, invstd]
