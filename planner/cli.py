@@ -225,8 +225,8 @@ def solve(
                                   "channel slices: auto (views where the uncapped list schedule is faster), view, "
                                   "copy"),
     bn_relu: BnRelu = typer.Option(BnRelu.auto, "--bn-relu", help="training BatchNormalizations followed by a "
-                                   "ReLU (or a residual Add and a ReLU): auto (run them inside each where the "
-                                   "profile measured that), fused, apart"),
+                                   "ReLU (or a residual Add and a ReLU), and ReLU backwards after a gradient sum: "
+                                   "auto (run them as one where the profile measured that), fused, apart"),
     out: Optional[Path] = typer.Option(None, "--out", "-o",
                                        help="plan file (default plans/MODEL.train|infer.bN.DTYPE.json)"),
     png: Optional[Path] = typer.Option(None, "--png", help="with several caps: the trade-off chart"),

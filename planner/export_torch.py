@@ -114,7 +114,8 @@ def torch_module_source(graph: Graph, plan: Plan | None = None) -> str:
     """Python source of the standalone module."""
     if plan is not None and plan.graph_sha256 != graph.graph_sha256:
         raise PlannerError("the plan was made for another model graph")
-    graph = as_planned(graph, plan.bn_relu_fused, plan.concat_views) if plan is not None else graph
+    if plan is not None:
+        graph = as_planned(graph, plan.bn_relu_fused, plan.concat_views, plan.relu_sums_fused)
     source = TEMPLATE.read_text()
     title = (f"{graph.model_name}: batch {graph.batch}, {graph.dtype}, "
              f"{'training' if graph.training else 'inference'}"

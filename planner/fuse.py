@@ -19,8 +19,9 @@ not positive: cuDNN fuses that pattern, and the backward needs no ReLU output), 
 BatchNormalization's output nor the gradient there is written and read once more, and two kernels fewer run per
 layer (GoogLeNet training: 114 of its ops). Where a residual Add sits between them (ResNet's block ends), the
 BatchNormalization adds the residual too and only the forward fuses: the ReLU's backward output is also the
-residual's gradient, so it is written all the same. Solve fuses them where the profile measured the fused ops
-(`Plan.bn_relu_fused`).
+residual's gradient, so it is written all the same. A ReLU backward may also add up the gradients that a `sum`
+made for it alone (`with_relu_sums`: ResNet's block outputs). Solve fuses them where the profile measured the
+fused ops (`Plan.bn_relu_fused`, `Plan.relu_sums_fused`).
 """
 
 from __future__ import annotations
@@ -265,6 +266,53 @@ def bn_relu_nodes(fused: Graph) -> list[Node]:
     return [n for n in fused.nodes if n.kind in ("batchnorm", "batchnorm_bwd") and n.attrs.get("relu")]
 
 
-def as_planned(graph: Graph, bn_relu_fused: list[str], concat_views: list[str]) -> Graph:
-    """The graph as a plan runs it: its BatchNormalizations fused with their ReLUs, then its concats as views."""
-    return with_concat_views(with_bn_relu(graph, bn_relu_fused), concat_views)
+MAX_SUMMED_GRADIENTS = 7  # runner/ops/elementwise.py relu_bwd_sum's operands
+
+
+def relu_sum_candidates(graph: Graph) -> list[str]:
+    """The ReLU backwards whose output gradient a `sum` of at most 7 same-shape gradients makes for them alone:
+    those that can add them up themselves (`with_relu_sums`; ResNet's block outputs, read by the next block's
+    conv and residual Add)."""
+    names = []
+    for n in graph.nodes:
+        total = graph.node_by_name.get(graph.tensors[n.inputs[-1]].producer or "") if n.kind == "relu_bwd" else None
+        if (total is None or total.kind != "sum" or len(n.inputs) != 2 or n.attrs
+                or graph.tensors[total.outputs[0]].consumers != [n.name]
+                or len(total.inputs) > MAX_SUMMED_GRADIENTS
+                or any(graph.tensors[t].shape != graph.tensors[n.inputs[1]].shape for t in total.inputs)):
+            continue
+        names.append(n.name)
+    return names
+
+
+def with_relu_sums(graph: Graph, names: list[str]) -> Graph:
+    """A copy of the graph in which each named ReLU backward takes the gradients the `sum` before it added up
+    ([y, dy1, ..., dyk]: one pass that reads them once, where the sum wrote its total and the ReLU's backward read
+    it back); the sum and its total go. The graph itself when `names` is empty."""
+    if not names:
+        return graph
+    unknown = set(names) - set(relu_sum_candidates(graph))
+    if unknown:
+        raise PlannerError(f"ReLU backward {sorted(unknown)[0]!r} cannot add up its gradients in "
+                           f"{graph.model_name} (the plan was made for another graph)")
+    graph = graph.model_copy(deep=True)
+    dropped = set()
+    for name in names:
+        relu_bwd = graph.node_by_name[name]
+        total = graph.node_by_name[graph.tensors[relu_bwd.inputs[1]].producer]
+        relu_bwd.inputs = [relu_bwd.inputs[0], *total.inputs]
+        dropped.add(total.name)
+        del graph.tensors[total.outputs[0]]
+    graph.nodes = [n for n in graph.nodes if n.name not in dropped]
+    return finalize(graph)
+
+
+def relu_sum_nodes(summed: Graph) -> list[Node]:
+    """The ReLU backwards that add up their gradients in a graph `with_relu_sums` made (for the profile)."""
+    return [n for n in summed.nodes if n.kind == "relu_bwd" and len(n.inputs) > 2]
+
+
+def as_planned(graph: Graph, bn_relu_fused: list[str], concat_views: list[str], relu_sums: list[str] = ()) -> Graph:
+    """The graph as a plan runs it: its BatchNormalizations fused with their ReLUs, its ReLU backwards adding up
+    their gradients, then its concats as views."""
+    return with_concat_views(with_relu_sums(with_bn_relu(graph, bn_relu_fused), list(relu_sums)), concat_views)

@@ -122,7 +122,8 @@ _k("batchnorm_bwd", "[x, dy, scale, saved_mean, saved_invstd] -> [dx, dscale, db
    "saved_invstd + bias > 0), the gradient through the ReLU the forward ran (fuse.with_bn_relu); attr "
    "concat_channels (optional, with relu): dr is a channel slice of a concat_view's gradient", phase="backward",
    flops=lambda i, o, a: (8 + a.get("relu", 0)) * _numel(i[0]))
-_k("relu_bwd", "[y, dy] -> [dx]: dy * (y > 0); attr concat_channels (optional): y and dy are channel slices of a "
+_k("relu_bwd", "[y, dy, dy2?, ...] -> [dx]: (dy + dy2 + ...) * (y > 0) (more than one dy, up to 7: the gradient "
+   "sum before it fused, fuse.with_relu_sums); attr concat_channels (optional): y and dy are channel slices of a "
    "concat_view's output and of its gradient, with that many channels", phase="backward")
 _k("clip_bwd", "[x, dy] -> [dx]: dy * (min < x < max); attrs min, max", phase="backward")
 _k("sigmoid_bwd", "[y, dy] -> [dx]: dy * y * (1 - y)", phase="backward")

@@ -131,6 +131,9 @@ class Plan(BaseModel):
     bn_relu_fused: list[str] = Field(default_factory=list, description="training BatchNormalizations that run the "
                                      "ReLU after them (and a residual Add between), their backwards the ReLU's "
                                      "where no Add is (fuse.with_bn_relu; applied before concat_views)")
+    relu_sums_fused: list[str] = Field(default_factory=list, description="ReLU backwards that add up the "
+                                       "gradients a sum made for them (fuse.with_relu_sums; applied after "
+                                       "bn_relu_fused)")
     ops: list[ScheduledOp]
     copies: list[Copy] = Field(default_factory=list)
     tensors: list[Residency] = Field(default_factory=list)

@@ -21,8 +21,8 @@ from planner.budget import (BOUND_S_PER_OP, CPSAT_WALL_PER_DET, LAYOUT_S_PER_OP,
 from planner.deep import deep_tensors, with_deep
 from planner.decisions import FIT_EVALS, LIST_SLACKS, QUICK_EVALS, best_heuristic, fit_slack
 from planner.files import PlannerError
-from planner.fuse import (bn_relu_candidates, bn_relu_nodes, concat_view_candidates, concat_view_nodes, with_bn_relu,
-                          with_concat_views)
+from planner.fuse import (bn_relu_candidates, bn_relu_nodes, concat_view_candidates, concat_view_nodes,
+                          relu_sum_candidates, relu_sum_nodes, with_bn_relu, with_concat_views, with_relu_sums)
 from planner.heuristic import Work, cost, list_schedule, serial_baseline
 from planner.ir import Graph
 from planner.memsize import fmt_bytes
@@ -98,28 +98,42 @@ def _solve_fused(graph: Graph, profile: Profile, cap_bytes: int, options: Option
                  work: Work, t0: float) -> Plan:
     """`solve_plan` with BatchNormalizations and ReLUs fused or not (see there). A framework runs them apart, so
     the baseline stays the unfused graph's."""
-    fused = [] if options.bn_relu == "apart" or options.baseline else bn_relu_candidates(graph)
-    unmeasured = [n for n in bn_relu_nodes(with_bn_relu(graph, fused)) if n.signature not in profile.ops]
-    if unmeasured and options.bn_relu == "fused":
-        raise PlannerError(f"--bn-relu fused: the profile has not measured {len(unmeasured)} fused ops (first: "
-                           f"{unmeasured[0].name}); run `planner profile` for this model on the GPU")
-    fused = [name for name in fused if name not in {n.forward_of or n.name for n in unmeasured}]
-    if not fused:
+    fusing = options.bn_relu != "apart" and not options.baseline
+    fused = bn_relu_candidates(graph) if fusing else []
+    fused = _measured(fused, bn_relu_nodes(with_bn_relu(graph, fused)), profile, options,
+                      lambda n: n.forward_of or n.name)
+    bn_graph = with_bn_relu(graph, fused)
+    sums = relu_sum_candidates(bn_graph) if fusing else []
+    sums = _measured(sums, relu_sum_nodes(with_relu_sums(bn_graph, sums)), profile, options, lambda n: n.name)
+    if not fused and not sums:
         return _solve_concats(graph, profile, cap_bytes, options, on_progress, on_plan, work, t0)
-    fused_graph = with_bn_relu(graph, fused)
     if profile.graph_sha256 not in (None, graph.graph_sha256):
         raise PlannerError("the profile was assembled for another graph (model, batch, dtype or mode differ)")
 
-    def on_model(plan: Plan) -> Plan:  # the fused graph's plan, for the model as given (in place: the first plan
-        plan.graph_sha256, plan.bn_relu_fused = graph.graph_sha256, fused  # may be the plan, `--time-limit 0`)
+    def on_model(plan: Plan) -> Plan:
+        """The fused graph's plan, for the model as given (in place: the first plan may be the plan,
+        `--time-limit 0`)."""
+        plan.graph_sha256, plan.bn_relu_fused, plan.relu_sums_fused = graph.graph_sha256, fused, sums
         return plan
 
-    plan = on_model(_solve_concats(fused_graph, profile.model_copy(update={"graph_sha256": None}),
+    plan = on_model(_solve_concats(with_relu_sums(bn_graph, sums), profile.model_copy(update={"graph_sha256": None}),
                                    cap_bytes, options, on_progress, (lambda first: on_plan(on_model(first)))
                                    if on_plan else None, work, t0))
-    plan.totals.status += f"; {len(fused)} BatchNormalizations run their ReLUs"
+    plan.totals.status += f"; {len(fused)} BatchNormalizations run their ReLUs" + (
+        f", {len(sums)} ReLU backwards add up their gradients" if sums else "")
     _, serial_us, serial_peak = serial_baseline(_problem(graph, profile, options, work, streams=1))
     return _framework_baseline(plan, (serial_us, serial_peak))
+
+
+def _measured(names: list[str], nodes: list, profile: Profile, options: Options, owner) -> list[str]:
+    """`names` less those owning (`owner`) one of the fused `nodes` the profile has not measured; `--bn-relu fused`
+    insists on all."""
+    unmeasured = [n for n in nodes if n.signature not in profile.ops]
+    if unmeasured and options.bn_relu == "fused":
+        raise PlannerError(f"--bn-relu fused: the profile has not measured {len(unmeasured)} fused ops (first: "
+                           f"{unmeasured[0].name}); run `planner profile` for this model on the GPU")
+    missing = {owner(n) for n in unmeasured}
+    return [name for name in names if name not in missing]
 
 
 def _solve_concats(graph: Graph, profile: Profile, cap_bytes: int, options: Options, on_progress, on_plan,

@@ -21,7 +21,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from planner.files import FORMAT_VERSION, PlannerError, atomic_write_text
-from planner.fuse import bn_relu_candidates, bn_relu_nodes, concat_view_nodes, with_bn_relu
+from planner.fuse import (bn_relu_candidates, bn_relu_nodes, concat_view_nodes, relu_sum_candidates,
+                          relu_sum_nodes, with_bn_relu, with_relu_sums)
 from planner.ir import Graph, Node, recompute_nodes
 from planner.ops import KINDS
 from planner.profile import TIMING, Candidate, DeviceInfo, OpProfile, Profile, describe_op
@@ -190,12 +191,15 @@ class ProfileStore:
 
 def optional_nodes(graph: Graph) -> list[Node]:
     """Nodes the graph does not run as they stand but a plan may: its fused recomputations (ir.recompute_nodes),
-    its convs writing into a concat's channel slices (fuse.concat_view_nodes), and its BatchNormalizations running
-    their ReLUs (fuse.bn_relu_nodes), writing into a concat's channel slices too where they can."""
+    its convs writing into a concat's channel slices (fuse.concat_view_nodes), its BatchNormalizations running
+    their ReLUs (fuse.bn_relu_nodes), writing into a concat's channel slices too where they can, and its ReLU
+    backwards adding up their gradients (fuse.relu_sum_nodes), with BatchNormalizations fused or not."""
     fused = with_bn_relu(graph, bn_relu_candidates(graph))
     nodes = list(recompute_nodes(graph).values()) + concat_view_nodes(graph)
     if fused is not graph:
         nodes += bn_relu_nodes(fused) + list(recompute_nodes(fused).values()) + concat_view_nodes(fused)
+    for g in (graph, fused):
+        nodes += relu_sum_nodes(with_relu_sums(g, relu_sum_candidates(g)))
     return list({n.signature: n for n in nodes}.values())
 
 

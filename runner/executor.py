@@ -63,7 +63,7 @@ class Execution:
         cp, cudnn = gpu().cp, gpu().cudnn
         if plan.graph_sha256 != graph.graph_sha256:
             raise PlannerError("the plan was made for another model graph (batch, dtype or file differ)")
-        graph = as_planned(graph, plan.bn_relu_fused, plan.concat_views)
+        graph = as_planned(graph, plan.bn_relu_fused, plan.concat_views, plan.relu_sums_fused)
         self.graph, self.nodes = graph, graph.node_by_name
         blocks, uses, self.block_of = plan_blocks(plan)
         self.offsets, self.arena_bytes = assign_offsets(blocks)

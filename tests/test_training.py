@@ -157,6 +157,17 @@ def _residual_block(rng, inits):
     ], "out", 4
 
 
+def _two_residual_blocks(rng, inits):
+    """The residual block, then another reading its output twice (conv and residual Add): that output's gradient
+    is a sum."""
+    nodes, out, c = _residual_block(rng, inits)
+    return nodes + [
+        _conv("c3", out, c, c, 3, rng, inits), _bn("bn3", "c3", c, inits), helper.make_node("Relu", ["bn3"], ["r3"]),
+        _conv("c4", "r3", c, c, 3, rng, inits), _bn("bn4", "c4", c, inits),
+        helper.make_node("Add", ["bn4", out], ["sum2"]), helper.make_node("Relu", ["sum2"], ["out2"]),
+    ], "out2", c
+
+
 def _dense_block(rng, inits):
     nodes = [_conv("stem", "x", 3, 4, 3, rng, inits)]
     feats, c = ["stem"], 4
@@ -309,25 +320,33 @@ def test_batchnorms_run_their_relus_and_compute_the_same_iteration(tmp_path):
 def test_batchnorms_run_the_residual_add_and_relu_after_them(tmp_path):
     """fuse.with_bn_relu at a residual block's end: the BatchNormalization adds the residual and runs the ReLU
     (attr residual, the residual its last input) where the ReLU was; the ReLU's backward stays, now its backward,
-    and its output is both gradients still. Same iteration; solve fuses each chain the profile measured."""
+    and its output is both gradients still; it adds up its output's gradients itself where a sum made them for
+    it alone. Same iteration; solve fuses each chain the profile measured."""
     from planner import reference
     from planner.analytic import estimate_profile
     from planner.check import check_plan
     from planner.devices import load_device
-    from planner.fuse import as_planned, bn_relu_candidates, bn_relu_nodes, with_bn_relu
+    from planner.fuse import (as_planned, bn_relu_candidates, bn_relu_nodes, relu_sum_candidates, relu_sum_nodes,
+                              with_bn_relu, with_relu_sums)
     from planner.ir import recompute_nodes
     from planner.solve import Options, solve_plan
 
-    g = build_training(import_onnx(_block_model(tmp_path, _residual_block), batch=2, training=True))
+    g = build_training(import_onnx(_block_model(tmp_path, _two_residual_blocks), batch=2, training=True))
     names = bn_relu_candidates(g)
     assert names == [n.name for n in g.nodes if n.kind == "batchnorm"]
-    f = with_bn_relu(g, names)
-    bn2 = f.node_by_name["bn2"]
+    b = with_bn_relu(g, names)
+    bn2 = b.node_by_name["bn2"]
     assert bn2.attrs["residual"] == 1 and bn2.inputs[5] == "s" and bn2.outputs[0] == "out"
-    assert not any(n.kind == "add" and n.phase == "forward" for n in f.nodes) and "sum" not in f.tensors
-    relu_bwd = next(n for n in f.nodes if n.kind == "relu_bwd")
-    assert relu_bwd.forward_of == "bn2" and relu_bwd.inputs[0] == "out"
-    assert relu_bwd.outputs[0] == f.node_by_name["batchnorm_bwd:bn2"].inputs[1]
+    assert not any(n.kind == "add" and n.phase == "forward" for n in b.nodes) and "sum" not in b.tensors
+    relu_bwd = {n.forward_of: n for n in b.nodes if n.kind == "relu_bwd"}
+    assert relu_bwd.keys() == {"bn2", "bn4"} and relu_bwd["bn2"].inputs[0] == "out"
+    sums = relu_sum_candidates(b)
+    assert sums == [relu_bwd["bn2"].name] and set(relu_sum_candidates(g)) == {*sums, "relu_bwd:s"}  # unfused too
+    f = with_relu_sums(b, sums)
+    summed = f.node_by_name[sums[0]]
+    assert summed.inputs[1:] == g.node_by_name["sum:out"].inputs and "sum:out" not in f.node_by_name
+    assert relu_sum_nodes(f) == [summed] and summed.signature != relu_bwd["bn4"].signature
+    assert summed.outputs[0] == f.node_by_name["batchnorm_bwd:bn2"].inputs[1]
     assert "relu" not in f.node_by_name["batchnorm_bwd:bn2"].attrs
     assert [n.name for n in f.nodes].index("bn2") > [n.name for n in f.nodes].index("bn0")
     assert recompute_nodes(f)[("bn2",)].signature == recompute_nodes(g)[("bn2", "sum", "out")].signature
@@ -338,8 +357,11 @@ def test_batchnorms_run_the_residual_add_and_relu_after_them(tmp_path):
 
     profile = estimate_profile(g, load_device("h100"))
     plan = solve_plan(g, profile, profile.device.memory_bytes, Options(time_limit_s=0))
-    assert plan.bn_relu_fused == names and check_plan(plan).ok
-    assert {op.node for op in plan.ops if not op.recompute_of} <= set(as_planned(g, names, []).node_by_name)
+    assert plan.bn_relu_fused == names and plan.relu_sums_fused == sums and check_plan(plan).ok
+    planned = {op.node for op in plan.ops if not op.recompute_of}
+    assert summed.name in planned <= set(as_planned(g, names, [], sums).node_by_name) and "sum:out" not in planned
     residual = {n.signature for n in bn_relu_nodes(f) if n.attrs.get("residual")}
-    partial = profile.model_copy(update={"ops": {k: v for k, v in profile.ops.items() if k not in residual}})
-    assert solve_plan(g, partial, profile.device.memory_bytes, Options(time_limit_s=0)).bn_relu_fused == names[:2]
+    partial = profile.model_copy(update={"ops": {k: v for k, v in profile.ops.items()
+                                                 if k not in residual | {summed.signature}}})
+    plan = solve_plan(g, partial, profile.device.memory_bytes, Options(time_limit_s=0))
+    assert plan.bn_relu_fused == [n for n in names if n not in ("bn2", "bn4")] and plan.relu_sums_fused == []

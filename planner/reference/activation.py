@@ -14,7 +14,7 @@ def _softmax(x, axis):
 
 KERNELS = {
     "relu": lambda ins, a: [np.maximum(ins[0], 0)],
-    "relu_bwd": lambda ins, a: [ins[1] * (ins[0] > 0)],
+    "relu_bwd": lambda ins, a: [sum(ins[2:], ins[1]) * (ins[0] > 0)],
     "clip": lambda ins, a: [np.clip(ins[0], a["min"], a["max"])],
     "clip_bwd": lambda ins, a: [ins[1] * ((ins[0] > a["min"]) & (ins[0] < a["max"]))],
     "sigmoid": lambda ins, a: [_sigmoid(ins[0])],

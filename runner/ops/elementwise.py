@@ -83,14 +83,13 @@ extern "C" __global__ void binary_bcast(const T* a, const T* b, T* y, int n, int
         st(y, i, mul ? u * v : u + v);
     }
 }
-// y = p0 + ... + p(k-1), k <= 8, vectorised like map_flat
-extern "C" __global__ void sum8(const T* p0, const T* p1, const T* p2, const T* p3, const T* p4, const T* p5,
-                                const T* p6, const T* p7, T* y, int n, int nv, int k) {
-    const T* p[8] = {p0, p1, p2, p3, p4, p5, p6, p7};
+// y = p[0] + ... + p[k-1] (k <= 8), with MASK zero where mask is not positive, vectorised like map_flat
+template <bool MASK> __device__ __forceinline__ void sum_flat(const T* const (&p)[8], int k, const T* mask, T* y,
+                                                              int n, int nv) {
     int t = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
     for (int j = t; j < nv; j += stride) {
         float acc[VEC], v[VEC];
-        ldv<VEC>(p0, (long long)j * VEC, acc);
+        ldv<VEC>(p[0], (long long)j * VEC, acc);
 #pragma unroll
         for (int s = 1; s < 8; ++s) {
             if (s < k) {
@@ -99,14 +98,31 @@ extern "C" __global__ void sum8(const T* p0, const T* p1, const T* p2, const T* 
                 for (int e = 0; e < VEC; ++e) acc[e] += v[e];
             }
         }
+        if (MASK) {
+            ldv<VEC>(mask, (long long)j * VEC, v);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[e] = v[e] > 0.f ? acc[e] : 0.f;
+        }
         stv<VEC>(y, (long long)j * VEC, acc);
     }
     for (int i = nv * VEC + t; i < n; i += stride) {
-        float acc = ld(p0, i);
+        float acc = ld(p[0], i);
 #pragma unroll
         for (int s = 1; s < 8; ++s) if (s < k) acc += ld(p[s], i);
-        st(y, i, acc);
+        st(y, i, MASK && !(ld(mask, i) > 0.f) ? 0.f : acc);
     }
+}
+extern "C" __global__ void sum8(const T* p0, const T* p1, const T* p2, const T* p3, const T* p4, const T* p5,
+                                const T* p6, const T* p7, T* y, int n, int nv, int k) {
+    const T* p[8] = {p0, p1, p2, p3, p4, p5, p6, p7};
+    sum_flat<false>(p, k, p0, y, n, nv);
+}
+// a ReLU's backward after the gradient sum before it (fuse.with_relu_sums): dx = (p0 + ... + p(k-1)) * (y > 0),
+// k <= 7
+extern "C" __global__ void relu_bwd_sum(const T* y, const T* p0, const T* p1, const T* p2, const T* p3,
+                                        const T* p4, const T* p5, const T* p6, T* dx, int n, int nv, int k) {
+    const T* p[8] = {p0, p1, p2, p3, p4, p5, p6, p6};
+    sum_flat<true>(p, k, y, dx, n, nv);
 }
 // keep[i] = fmix32(i * 0x9E3779B1 + seed_term) >= thr, i the logical (NCHW) index of the element
 extern "C" __global__ void dropout_fwd(const T* x, T* y, unsigned char* mask, int n, int C, int H, int W,
@@ -187,6 +203,8 @@ def _relu(attrs, ins, outs, handle):
 
 
 def _relu_bwd(attrs, ins, outs, handle):
+    if len(ins) > 2:
+        return ReluBwdSum(outs[0], len(ins) - 1)
     if ins[0].row_channels:
         return SlicedPointwise("relu_bwd_rows", [ins[0], ins[1], outs[0]])
     return Pointwise("relu_bwd", outs[0])
@@ -238,6 +256,24 @@ class Sum(SingleKernelOp):
             if not rest:
                 return
             chunk, rest = [y] + rest[:7], rest[7:]
+
+
+class ReluBwdSum(SingleKernelOp):
+    """A ReLU's backward that adds up its output's gradients first (fuse.with_relu_sums: the gradient sum of a
+    ResNet block's output, read by the next block's conv and residual Add): [y, dy1, ..., dyk], k <= 7."""
+
+    name = "cupy_elementwise"
+
+    def __init__(self, s: TensorSpec, count: int):
+        check_index_range(s)
+        if count > 7:
+            raise ValueError(f"a ReLU's backward sums at most 7 gradients ({count} given)")
+        self.dtype, self.n = s.dtype, s.numel
+
+    def run(self, inputs, outputs, workspace):
+        grads = list(inputs[1:])
+        launch_flat(kernel(SRC, "relu_bwd_sum", self.dtype), self.n, self.dtype,
+                    [inputs[0], *grads, *grads[-1:] * (7 - len(grads)), outputs[0]], i32(len(grads)))
 
 
 class Dropout(SingleKernelOp):
