@@ -312,7 +312,7 @@ def relu_sum_nodes(summed: Graph) -> list[Node]:
     return [n for n in summed.nodes if n.kind == "relu_bwd" and len(n.inputs) > 2]
 
 
-def as_planned(graph: Graph, bn_relu_fused: list[str], concat_views: list[str], relu_sums: list[str] = ()) -> Graph:
+def as_planned(graph: Graph, bn_relu_fused: list[str], concat_views: list[str], relu_sums: list[str]) -> Graph:
     """The graph as a plan runs it: its BatchNormalizations fused with their ReLUs, its ReLU backwards adding up
     their gradients, then its concats as views."""
-    return with_concat_views(with_relu_sums(with_bn_relu(graph, bn_relu_fused), list(relu_sums)), concat_views)
+    return with_concat_views(with_relu_sums(with_bn_relu(graph, bn_relu_fused), relu_sums), concat_views)

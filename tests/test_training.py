@@ -304,7 +304,7 @@ def test_batchnorms_run_their_relus_and_compute_the_same_iteration(tmp_path):
     assert {n.signature for n in bn_relu_nodes(f)} <= profile.ops.keys()  # estimated with the graph's own
     plan = solve_plan(g, profile, profile.device.memory_bytes, Options(time_limit_s=0))
     assert plan.bn_relu_fused == names and plan.graph_sha256 == g.graph_sha256 and check_plan(plan).ok
-    runs = as_planned(g, plan.bn_relu_fused, plan.concat_views)
+    runs = as_planned(g, plan.bn_relu_fused, plan.concat_views, plan.relu_sums_fused)
     assert {op.node for op in plan.ops if not op.recompute_of} <= set(runs.node_by_name)
     unfused = profile.model_copy(update={"ops": {k: v for k, v in profile.ops.items()
                                                  if k not in {n.signature for n in bn_relu_nodes(f)}}})
