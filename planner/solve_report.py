@@ -63,6 +63,7 @@ def print_plan_summary(plan, console: Console) -> None:
         ("compute streams / events", f"{t.streams_used} / {t.events_used}"),
         ("concats written in place", f"{len(plan.concat_views)}"),
         ("BatchNormalizations running their ReLUs", f"{len(plan.bn_relu_fused)}"),
+        ("ReLU backwards adding up their gradients", f"{len(plan.relu_sums_fused)}"),
         ("lower bound, gap", f"{t.lower_bound_us:.1f} us ("
                              + ", ".join(f"{k} {v:.1f}" for k, v in t.bounds_us.items() if v > 0)
                              + f"), gap {t.gap:.1%}"),  # memory_cut is 0 where the cap forces nothing off at any cut

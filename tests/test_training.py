@@ -1,11 +1,14 @@
 """Training iteration: structure of the backward DAG, and gradients against central finite differences."""
 
+import io
+import re
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from rich.console import Console
 
 from planner.files import PlannerError
 from planner.onnx_import import import_onnx
@@ -330,6 +333,7 @@ def test_batchnorms_run_the_residual_add_and_relu_after_them(tmp_path):
                               with_bn_relu, with_relu_sums)
     from planner.ir import recompute_nodes
     from planner.solve import Options, solve_plan
+    from planner.solve_report import print_plan_summary
 
     g = build_training(import_onnx(_block_model(tmp_path, _two_residual_blocks), batch=2, training=True))
     names = bn_relu_candidates(g)
@@ -358,6 +362,11 @@ def test_batchnorms_run_the_residual_add_and_relu_after_them(tmp_path):
     profile = estimate_profile(g, load_device("h100"))
     plan = solve_plan(g, profile, profile.device.memory_bytes, Options(time_limit_s=0))
     assert plan.bn_relu_fused == names and plan.relu_sums_fused == sums and check_plan(plan).ok
+    console = Console(file=io.StringIO(), width=200)
+    print_plan_summary(plan, console)
+    summary = console.file.getvalue()
+    assert re.search(rf"BatchNormalizations running their ReLUs\s*│\s*{len(names)}\b", summary)
+    assert re.search(r"ReLU backwards adding up their gradients\s*│\s*1\b", summary)
     planned = {op.node for op in plan.ops if not op.recompute_of}
     assert summed.name in planned <= set(as_planned(g, names, [], sums).node_by_name) and "sum:out" not in planned
     residual = {n.signature for n in bn_relu_nodes(f) if n.attrs.get("residual")}
@@ -365,3 +374,26 @@ def test_batchnorms_run_the_residual_add_and_relu_after_them(tmp_path):
                                                  if k not in residual | {summed.signature}}})
     plan = solve_plan(g, partial, profile.device.memory_bytes, Options(time_limit_s=0))
     assert plan.bn_relu_fused == [n for n in names if n not in ("bn2", "bn4")] and plan.relu_sums_fused == []
+
+
+def test_relu_backwards_leave_their_sums_apart_under_a_costly_cap(tmp_path, monkeypatch):
+    """A fused gradient sum holds the gradients beside the ReLU's output: `--bn-relu auto` leaves the sums apart
+    where the cap is costly (`solve._costly_cap`, never without a cap) and says so; `--bn-relu fused` insists."""
+    from planner import solve
+    from planner.analytic import estimate_profile
+    from planner.devices import load_device
+    from planner.fuse import bn_relu_candidates, relu_sum_candidates, with_bn_relu, with_relu_sums
+    from planner.heuristic import Work
+
+    g = build_training(import_onnx(_block_model(tmp_path, _two_residual_blocks), batch=2, training=True))
+    profile = estimate_profile(g, load_device("h100"))
+    fused = with_bn_relu(g, bn_relu_candidates(g))
+    sums = relu_sum_candidates(fused)
+    summed = with_relu_sums(fused, sums)
+    anonymous = profile.model_copy(update={"graph_sha256": None})
+    assert sums and not solve._costly_cap(summed, anonymous, profile.device.memory_bytes, solve.Options(), Work())
+    monkeypatch.setattr(solve, "_costly_cap", lambda *args: True)
+    plan = solve.solve_plan(g, profile, profile.device.memory_bytes, solve.Options(time_limit_s=0))
+    assert plan.relu_sums_fused == [] and "leave their gradients' sums apart" in plan.totals.status
+    plan = solve.solve_plan(g, profile, profile.device.memory_bytes, solve.Options(time_limit_s=0, bn_relu="fused"))
+    assert plan.relu_sums_fused == sums
