@@ -131,12 +131,13 @@ def _solve_fused(graph: Graph, profile: Profile, cap_bytes: int, options: Option
 
 def _costly_cap(graph: Graph, profile: Profile, cap_bytes: int, options: Options, work: Work) -> bool:
     """Whether the quick heuristic's plan under the cap list-schedules over COSTLY_CAP times the uncapped one (or
-    none fits). A ReLU backward that adds up its gradients holds them beside the ReLU's output, which, recomputed
-    or offloaded, would otherwise come back after the sum has freed them; where the cap forces that on many
-    tensors the pass it saves costs more than it gains. ResNet-50 training b32 at 30% of its serial peak (H200
-    profile): 8324.7 us predicted with the sums fused, 7361.4 (measured 7359.2) without; at 50% the cap is cheap
-    (1.09 times the uncapped list schedule, against 3.19 at 30%) and the fused sums gain 3.0% (5847.2 against
-    6025.0). Charged to `work` (1.3 s of the time limit there)."""
+    none fits). There the fused gradient sums are left apart. A ReLU backward that adds up its gradients holds
+    them beside the ReLU's output, which, recomputed or offloaded, would otherwise come back after the sum has
+    freed them, and under such a cap the decisions' search ends elsewhere after any change to the graph.
+    ResNet-50 training b32 at 30% of its serial peak (H200 profile): 8324.7 us predicted with the sums fused,
+    7361.4 (measured 7359.2) without, 8180.0 with only those fused whose output that plan keeps. At 50% the cap
+    is cheap (1.09 times the uncapped list schedule, against 3.19 at 30%), and the fused sums gain 3.0% (5847.2
+    against 6025.0). Charged to `work` (1.3 s of the time limit there)."""
     p = _problem(graph, profile, options, work)
     slack = fit_slack(p, options.streams, work)
     hint = best_heuristic(p, solver_cap(graph, p.resident_bytes, cap_bytes), options.streams, slack, QUICK_EVALS,
