@@ -110,9 +110,10 @@ def _solve_fused(graph: Graph, profile: Profile, cap_bytes: int, options: Option
     if profile.graph_sha256 not in (None, graph.graph_sha256):
         raise PlannerError("the profile was assembled for another graph (model, batch, dtype or mode differ)")
     profile = profile.model_copy(update={"graph_sha256": None})  # for the fused graph
-    kept_apart = bool(sums) and options.bn_relu == "auto" and _costly_cap(with_relu_sums(bn_graph, sums), profile,
-                                                                            cap_bytes, options, work)
-    sums = [] if kept_apart else sums
+    fused_graph = with_relu_sums(bn_graph, sums)
+    kept_apart = bool(sums) and options.bn_relu == "auto" and _costly_cap(fused_graph, profile, cap_bytes, options,
+                                                                            work)
+    sums, fused_graph = ([], bn_graph) if kept_apart else (sums, fused_graph)
 
     def on_model(plan: Plan) -> Plan:
         """The fused graph's plan, for the model as given (in place: the first plan may be the plan,
@@ -120,7 +121,7 @@ def _solve_fused(graph: Graph, profile: Profile, cap_bytes: int, options: Option
         plan.graph_sha256, plan.bn_relu_fused, plan.relu_sums_fused = graph.graph_sha256, fused, sums
         return plan
 
-    plan = on_model(_solve_concats(with_relu_sums(bn_graph, sums), profile, cap_bytes, options, on_progress,
+    plan = on_model(_solve_concats(fused_graph, profile, cap_bytes, options, on_progress,
                                    (lambda first: on_plan(on_model(first))) if on_plan else None, work, t0))
     plan.totals.status += f"; {len(fused)} BatchNormalizations run their ReLUs" + (
         f", {len(sums)} ReLU backwards add up their gradients" if sums else "") + (
