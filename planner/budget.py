@@ -15,7 +15,7 @@ PLACE_S_PER_OP = 8e-5  # an op of a plan placed again in a round past the orders
 # on GoogLeNet training b32's 636 ops)
 SETUP_S_PER_OP = 2e-4  # an op of a problem built
 BOUND_S_PER_OP = 3.5e-3  # an op of a problem bounded (lower_bounds_us under a cap, chain_fill's LPs included)
-CPSAT_WALL_PER_DET = 7.5  # wall seconds per deterministic second of CP-SAT on a whole model (solve._search; one
+CPSAT_WALL_PER_DET = 7.5  # wall seconds per deterministic second of CP-SAT on a whole model (solve_graph._search; one
 # worker searches there, cpsat.solve: inference b32 runs 18-20, GoogLeNet and Inception v3, and --deterministic
 # solves of them pass their limit by up to 1.4x; at 20 the exit-3 search no longer proves small minimum caps)
 RUNAWAY = 3.0  # --deterministic: only the wall clock at this many times the limit ends the search. CP-SAT on a

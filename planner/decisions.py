@@ -89,8 +89,8 @@ def improve(p: Problem, best: Outcome, run: Callable[[dict[int, Decision]], Outc
             ways: tuple[Decision, ...] = ("keep", "offload", "recompute"), largest_first: bool = False) -> Outcome:
     """`best` improved one decision at a time (to one of `ways`), each change kept when the list schedule `run`
     gives still fits and gets shorter, tensors in the order they are made or, `largest_first`, biggest first (each
-    order ends in its own local optimum, see solve._uncapped); where `best` does not fit, changes that bring it
-    closer (`_shortfall`: only tensors on the device where it goes over, and `_chain_swaps`), while `left()` allows
+    order ends in its own local optimum, see solve_graph.uncapped_cost); where `best` does not fit, changes that bring
+    it closer (`_shortfall`: only tensors on the device where it goes over, and `_chain_swaps`), while `left()` allows
     more runs."""
     in_order = sorted(range(len(p.tensors)), key=lambda t: (-p.tensors[t].bytes, t)) if largest_first else None
     improved = True

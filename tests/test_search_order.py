@@ -1,5 +1,5 @@
 """The order fit_cap's local search tries tensors in (decisions.improve): as made, or largest first, which ends in
-another local optimum; solve takes the better of the two where the cap costs most (solve.COSTLY_CAP)."""
+another local optimum; solve takes the better of the two where the cap costs most (solve_graph.COSTLY_CAP)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from planner.heuristic import cost
 from planner.onnx_import import import_onnx
 from planner.problem import build_problem
 from planner.profile import Profile
-from planner.solve import COSTLY_CAP, _uncapped
+from planner.solve_graph import COSTLY_CAP, uncapped_cost
 from planner.stats import serial_peak_bytes
 from planner.training import build_training
 
@@ -60,5 +60,5 @@ def test_largest_first_finds_the_shorter_plan_where_the_cap_costs_most():
     slack = fit_slack(p, 4)
     as_made = best_heuristic(p, target, 4, slack, refined=True)
     largest = best_heuristic(p, target, 4, slack, refined=True, largest_first=True)
-    assert cost(p, as_made) > COSTLY_CAP * _uncapped(p, 4, slack, None)
+    assert cost(p, as_made) > COSTLY_CAP * uncapped_cost(p, 4, slack, None)
     assert cost(p, largest) < 0.9 * cost(p, as_made)

@@ -35,7 +35,8 @@ from planner.budget import LIST_S_PER_JOB, charged_s
 from planner.decisions import FIT_EVALS, LIST_SLACKS, QUICK_EVALS, best_heuristic, fit_slack, with_copy_margin
 from planner.minimum_cap import (CapTooSmall, cap_too_small, copied_unsearched, either_way, leanest_schedules,
                                  with_arena)
-from planner.solve import FIT_SHARE, Options, fit_evals, solve_plan
+from planner.solve import Options, solve_plan
+from planner.solve_graph import FIT_SHARE, fit_evals
 from planner.stats import serial_peak_bytes
 from planner.streams import build_plan
 from planner.training import build_training
@@ -764,9 +765,9 @@ def test_the_fuller_heuristic_hands_on_the_first_plan_where_the_quick_one_fits_n
     prof = estimate_profile(g, H100)
     resident = build_problem(g, prof).resident_bytes
     cap = resident + int((serial_peak_bytes(g) - resident) * 0.8)
-    from planner import solve
+    from planner import solve_graph
 
-    monkeypatch.setattr(solve, "QUICK_EVALS", 1)  # one evaluation: the plain list schedule, over the cap
+    monkeypatch.setattr(solve_graph, "QUICK_EVALS", 1)  # one evaluation: the plain list schedule, over the cap
     firsts = []
     plan = solve_plan(g, prof, cap, Options(time_limit_s=0, concat="copy"), on_plan=firsts.append)
     assert len(firsts) == 1
