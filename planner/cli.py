@@ -193,6 +193,21 @@ def _profile_for(graph, profile_path: Path, analytic: Optional[str], device_name
     return estimate_profile(graph, device)
 
 
+def _say_behind(graph, profile, args: str) -> None:
+    """A note where the measured profile lacks what the runner offers the graph now (store.behind): plans
+    cannot use what was never measured."""
+    from planner.store import behind
+
+    try:
+        from runner.ops import implementations
+    except ImportError:
+        implementations = None
+    lacking = behind(graph, profile, implementations and (lambda node: implementations(graph, node)))
+    if lacking:
+        console.print(f"[yellow]note[/]: this profile lacks what the runner offers now: {lacking.describe()}. "
+                      f"`planner profile {args}` on the {profile.device.name} measures them", soft_wrap=True)
+
+
 @app.command()
 def solve(
     model: Path = ModelArg,
@@ -239,6 +254,7 @@ def solve(
 
     graph = load_graph(model, batch, dtype, train)
     prof = _profile_for(graph, profile_path, analytic, device)
+    _say_behind(graph, prof, f"{model} -b {batch} --dtype {dtype.value}" + " --train" * train)
     device_bytes = prof.device.memory_bytes
     if sweep:  # 100%: what the serial plan takes on the device, its peak laid out in the driver's pages
         peak = serial_peak_bytes(graph)

@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -189,23 +190,87 @@ class ProfileStore:
                        graph_sha256=graph.graph_sha256, ops=ops)
 
 
+RECOMPUTATIONS, VIEWS, BN_RELU, RELU_SUMS = ("recomputations", "ops writing into a concat's channels",
+                                            "BatchNormalizations with their ReLUs", "ReLU backwards adding up gradients")
+
+
+def optional_groups(graph: Graph) -> dict[str, list[Node]]:
+    """`optional_nodes` by what they are (RECOMPUTATIONS, VIEWS, BN_RELU, RELU_SUMS)."""
+    groups: dict[str, list[Node]] = {}
+    for group, n in _optional(graph):
+        groups.setdefault(group, []).append(n)
+    return groups
+
+
 def optional_nodes(graph: Graph) -> list[Node]:
     """Nodes the graph does not run as they stand but a plan may: its fused recomputations (ir.recompute_nodes),
     its convs writing into a concat's channel slices (fuse.concat_view_nodes), its BatchNormalizations running
     their ReLUs (fuse.bn_relu_nodes), writing into a concat's channel slices too where they can, and its ReLU
     backwards adding up their gradients (fuse.relu_sum_nodes), with BatchNormalizations fused or not."""
+    return [n for _, n in _optional(graph)]
+
+
+def _optional(graph: Graph) -> list[tuple[str, Node]]:
+    """(group, node) of `optional_nodes`, one per signature, in the order they are found."""
     fused = with_bn_relu(graph, bn_relu_candidates(graph))
-    nodes = list(recompute_nodes(graph).values()) + concat_view_nodes(graph)
+    found = [(RECOMPUTATIONS, recompute_nodes(graph).values()), (VIEWS, concat_view_nodes(graph))]
     if fused is not graph:
-        nodes += bn_relu_nodes(fused) + list(recompute_nodes(fused).values()) + concat_view_nodes(fused)
-    for g in (graph, fused):
-        nodes += relu_sum_nodes(with_relu_sums(g, relu_sum_candidates(g)))
-    return list({n.signature: n for n in nodes}.values())
+        found += [(BN_RELU, bn_relu_nodes(fused)), (RECOMPUTATIONS, recompute_nodes(fused).values()),
+                  (VIEWS, concat_view_nodes(fused))]
+    found += [(RELU_SUMS, relu_sum_nodes(with_relu_sums(g, relu_sum_candidates(g)))) for g in (graph, fused)]
+    out: dict[str, tuple[str, Node]] = {}
+    for group, nodes in found:
+        for n in nodes:
+            out.setdefault(n.signature, (group, n))
+    return list(out.values())
 
 
 def profiled_nodes(graph: Graph) -> list[Node]:
     """What a profile measures: the graph's nodes and its optional ones."""
     return graph.nodes + optional_nodes(graph)
+
+
+@dataclass
+class Behind:
+    """What a measured profile lacks that the runner offers its graph now; `planner profile` measures it."""
+
+    unmeasured: dict[str, int]  # group (optional_groups) -> the graph's optional ops the profile never measured
+    without: dict[str, int]  # implementation -> ops measured before the runner offered it
+    older_timing: int  # ops timed the older way (OpProfile.timing)
+
+    def __bool__(self) -> bool:
+        return bool(self.unmeasured or self.without or self.older_timing)
+
+    def describe(self) -> str:
+        parts = []
+        if self.unmeasured:
+            parts.append(f"{sum(self.unmeasured.values())} fused ops never measured ("
+                         + ", ".join(f"{k} {group}" for group, k in self.unmeasured.items()) + ")")
+        if self.without:
+            parts.append("ops measured before the runner offered " + ", ".join(
+                f"{impl} ({k})" for impl, k in self.without.items()))
+        if self.older_timing:
+            parts.append(f"{self.older_timing} ops timed the older way")
+        return "; ".join(parts)
+
+
+def behind(graph: Graph, profile: Profile, offered: Callable[[Node], list[str]] | None = None) -> Behind:
+    """What `profile` lacks for `graph` (nothing for an estimated one): a plan cannot use a fused op or an
+    implementation that was never measured, so a profile made before the runner offered them plans without them
+    (`offered(node)`: the implementations the runner has for a node, as in ProfileStore.missing)."""
+    if profile.estimated:
+        return Behind({}, {}, 0)
+    unmeasured = {group: sum(n.signature not in profile.ops for n in nodes)
+                  for group, nodes in optional_groups(graph).items()}
+    without: dict[str, int] = {}
+    for n in {n.signature: n for n in profiled_nodes(graph)}.values():
+        entry = profile.ops.get(n.signature)
+        if entry is not None and offered is not None and not KINDS[n.kind].view:
+            for impl in offered(n):
+                if impl not in entry.implementations:
+                    without[impl] = without.get(impl, 0) + 1
+    older = sum(op.timing != TIMING for op in profile.ops.values() if not op.estimated and not KINDS[op.kind].view)
+    return Behind({group: k for group, k in unmeasured.items() if k}, without, older)
 
 
 def profile_graph(graph: Graph, store: ProfileStore, measure: Callable[[list[Node]], Iterable[OpProfile]],
