@@ -254,7 +254,8 @@ def solve(
 
     graph = load_graph(model, batch, dtype, train)
     prof = _profile_for(graph, profile_path, analytic, device)
-    _say_behind(graph, prof, f"{model} -b {batch} --dtype {dtype.value}" + " --train" * train)
+    store = f" --store {profile_path}" if profile_path.is_dir() and profile_path != DEFAULT_STORE else ""
+    _say_behind(graph, prof, f"{model} -b {batch} --dtype {dtype.value}" + " --train" * train + store)
     device_bytes = prof.device.memory_bytes
     if sweep:  # 100%: what the serial plan takes on the device, its peak laid out in the driver's pages
         peak = serial_peak_bytes(graph)
