@@ -260,10 +260,10 @@ def behind(graph: Graph, profile: Profile, offered: Callable[[Node], list[str]] 
     (`offered(node)`: the implementations the runner has for a node, as in ProfileStore.missing)."""
     if profile.estimated:
         return Behind({}, {}, 0)
-    unmeasured = {group: sum(n.signature not in profile.ops for n in nodes)
-                  for group, nodes in optional_groups(graph).items()}
+    groups = optional_groups(graph)
+    unmeasured = {group: sum(n.signature not in profile.ops for n in nodes) for group, nodes in groups.items()}
     without: dict[str, int] = {}
-    for n in {n.signature: n for n in profiled_nodes(graph)}.values():
+    for n in {n.signature: n for n in graph.nodes + [n for nodes in groups.values() for n in nodes]}.values():
         entry = profile.ops.get(n.signature)
         if entry is not None and offered is not None and not KINDS[n.kind].view:
             for impl in offered(n):
