@@ -34,10 +34,9 @@ def models() -> Path:
     return MODELS
 
 
-@pytest.fixture(scope="session")
-def googlenet_train_b32():
-    """GoogLeNet training b32 fp16's problem on the shipped H100 profile, its concats as views (as solve takes
-    them): what the capped plans are solved from. Built once; tests only read it."""
+def googlenet_train_b32_problem(profile: str = "googlenet.train.b32.fp16.json"):
+    """GoogLeNet training b32 fp16's problem on a shipped profile (under profiles/), its concats as views (as solve
+    takes them)."""
     from planner.files import load_model
     from planner.fuse import concat_view_candidates, with_concat_views
     from planner.onnx_import import import_onnx
@@ -46,6 +45,13 @@ def googlenet_train_b32():
     from planner.training import build_training
 
     g = build_training(import_onnx(MODELS / "googlenet.train.onnx", batch=32, dtype="fp16", training=True))
-    profile = load_model(Profile, PROFILES / "googlenet.train.b32.fp16.json")
-    g, profile = with_concat_views(g, concat_view_candidates(g)), profile.model_copy(update={"graph_sha256": None})
-    return build_problem(g, profile, streams=4)
+    measured = load_model(Profile, PROFILES / profile)
+    g, measured = with_concat_views(g, concat_view_candidates(g)), measured.model_copy(update={"graph_sha256": None})
+    return build_problem(g, measured, streams=4)
+
+
+@pytest.fixture(scope="session")
+def googlenet_train_b32():
+    """The problem on the shipped H100 profile: what the capped plans are solved from (but for the fused
+    BatchNormalizations). Built once; tests only read it."""
+    return googlenet_train_b32_problem()

@@ -55,11 +55,11 @@ def test_a_training_plan_splits_at_the_loss_into_two_passes_that_add_up(name):
             assert sum(h[part] for h in halves) == pytest.approx(whole[part])
         ops_work = whole["least-area work"] + whole["wider algorithms"]
         assert sum(h["ops' work"] for h in halves) == pytest.approx(ops_work)
-        assert halves[0]["recomputations"] == 0.0  # recomputations serve the backward pass
+        assert halves[1]["recomputations"] > halves[0]["recomputations"]  # they serve the backward pass
 
 
 def test_show_prints_the_split_and_each_stream():
-    path = PLANS / "googlenet.train.b32.fp16.cap50.json"
+    path = PLANS / "googlenet.train.b32.fp16.cap35.json"  # with copies
     out = subprocess.run([sys.executable, "-m", "planner.cli", "show", path], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stderr

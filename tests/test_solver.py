@@ -658,14 +658,17 @@ def test_a_cover_without_recomputation_chains_starts_resnet50_at_40_percent():
     assert out is not None and out.fits and cost(p, out.schedule) * p.tick_us < 20_000
 
 
-def test_fit_cap_repairs_the_start_closest_to_fitting(monkeypatch, googlenet_train_b32):
-    """GoogLeNet training b32 (concats as views, the shipped H100 profile) under 225 MiB, 35% of its serial peak:
+def test_fit_cap_repairs_the_start_closest_to_fitting(monkeypatch):
+    """GoogLeNet training b32 (concats as views, the shipped H200 profile) under 225 MiB, a third of its serial peak:
     no start fits. The one least over the cap is changed one decision at a time, and a recomputation that holds
     what it reads through its reader's backward pass is swapped for an offload with what it read recomputed
-    (`_chain_swaps`); without the swap nothing fits within the first plan's evaluations."""
+    (`_chain_swaps`); without the swap nothing fits within the first plan's evaluations. (On the H100 profile
+    measured with today's kernels some start fits at every cap from 198 to 225 MiB, with or without the swap.)"""
+    from conftest import googlenet_train_b32_problem
+
     from planner import decisions
 
-    p = googlenet_train_b32
+    p = googlenet_train_b32_problem("h200/googlenet.train.b32.fp16.json")
     cap, slack = 225 * 2**20, fit_slack(p, 4)
     out = fit_cap(p, cap, 4, QUICK_EVALS, slack)
     assert out is not None and out.fits
