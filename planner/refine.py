@@ -6,9 +6,10 @@ the list scheduler's greedy choices leave much to gain there: it packs ops side 
 ready, while a window can pick a narrower algorithm for one op so that its neighbour runs beside it. Per window:
 its items (ops, recomputations, copies) get free starts and algorithms; items that started before it stay
 where they are; items after it all move earlier by one `shift`. The model minimises the makespan that results;
-a window is kept when the whole schedule gets cheaper and still fits the memory cap (memory is checked on the
-whole schedule, not modelled in the window). Keep/offload/recompute decisions stay as they are. Windows are
-solved on several threads at once, ahead of the one whose result is taken next.
+a window is kept when the whole schedule gets cheaper at the time its plan will predict (streams.predicted_cost)
+and still fits the memory cap (memory is checked on the whole schedule, not modelled in the window).
+Keep/offload/recompute decisions stay as they are. Windows are solved on several threads at once, ahead of the one
+whose result is taken next.
 """
 
 from __future__ import annotations
@@ -18,30 +19,36 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Callable, Iterator
 
-from planner.heuristic import cost
 from planner.problem import Problem
 from planner.schedule import Schedule, peaks_within
+from planner.streams import predicted_cost
 from planner.window import Item, Memory, Move, Stop, apply, items_of, precedences, signature, solve_window
 from planner.window_memory import residencies
 
-WINDOW_SIZES = (10, 16, 24)  # items whose starts a window frees, smallest first (`refine`)
 MIN_PASS_GAIN = 0.002  # a pass gaining less than this share of the cost moves on to larger windows
-WINDOW_DET_LEVELS = (0.02, 0.05, 0.1, 0.2)  # CP-SAT's deterministic time per window at most, by stage: the sizes
-# cycle at the first until a whole cycle gains nothing, then at the next (a window that gained nothing in a short solve
-# may in a longer one). Many short windows gain more than fewer long ones, but converge early (training b32 at 50%,
-# 120 s, from the same start: GoogLeNet 4186.6 us at 0.1 alone, 4177.1 at 0.05, converged after 86 s, 4177.1 staged;
-# ResNet-50 8444.9 at 0.1, 8447.6 at 0.05, converged after 51 s, 8436.5 staged; 8423.2 with 16-32 items at 0.1, but
-# those windows take 6% more wall time than the budget counts, and charged for it they gain nothing). The stage at
-# 0.02 finds most gains of 0.05 in half the time (the windows at their limit take most of it): GoogLeNet training
-# b32, budget in full, 4011.2 us at 50% (4016.9 from 0.05), 3653.0 uncapped (3654.3)
+NARROW_STAGES = tuple(((10, 16, 24), det_s) for det_s in (0.02, 0.05, 0.1, 0.2))  # (items whose starts a window
+# frees, smallest first; CP-SAT's deterministic time per window at most), by stage: a stage's sizes cycle until a
+# whole cycle gains nothing, then the next stage solves every window again, longer (a window that gained nothing in
+# a short solve may in a longer one). Many short windows gain more than fewer long ones where about one item runs at
+# a time (ResNet-50 training b32 fp16, H100 profile, the same start and budget: uncapped 5970.9 us against 6000.2
+# with WIDE_STAGES, at 50% 6610.2 against 6640.7)
+WIDE_STAGES = tuple(((24, 48), det_s) for det_s in (0.1, 0.2, 0.5, 1.0))  # where several run side by side, windows
+# of 24-48 items repack them better (GoogLeNet training b32 fp16: uncapped 2841.4 us against 2872.2 with
+# NARROW_STAGES, at 50% 3065.8 against 3070.5, and 3026.0 after 345 s of wall time, where NARROW_STAGES gave
+# 3060.3 in a 300-s solve; stages that start narrow and widen once converged gain nothing within 300 s)
+WIDE_FROM = 1.35  # compute items running at once, on average over the start schedule, from which WIDE_STAGES
+# serve (training b32 fp16: GoogLeNet's schedules run 1.43-1.45, ResNet-50's 1.05-1.06; GoogLeNet fp32's 1.30 gains
+# nothing from them: 6667.7 us uncapped against 6642.3)
 WALL_PER_DET = 18.0  # wall seconds per deterministic second of the windows taken, laid out on the lanes, and
 WINDOW_OVERHEAD_S = 0.032  # the wall seconds a window costs besides: fitted to the rounds' wall times on the 2-core
 # development machine (training b32, budget in full, 178 and 93 rounds of GoogLeNet at 50% and ResNet-50 at
 # cap40torch: 14.2 and 0.024 together), with a quarter more for its swings, so that the budget, not the wall clock,
-# ends 120-s searches and plans repeat (with a tenth more, two of four such solves still met the wall clock). They
-# include the windows solved ahead and discarded and the main thread's work, which differ by model: ResNet-50 at 50%
-# took a fifth more than these charges count. The first fit (7.5 and 0.015, nineteenth session) counted half the
-# wall time the windows have taken since the window memory model and the shorter stages
+# ends 120-s searches and plans repeat. They include the windows solved ahead and discarded and the main thread's
+# work. Refitted in the 69th session (GoogLeNet and ResNet-50 training at 50%, 60 s each: 12.5 and 0.008, each run
+# within 10%), but kept: at 16 and 0.03 ResNet-50 at cap40torch took 121.7 s of its 120, and at 17 GoogLeNet
+# uncapped took 127.0 s where it had taken 109.3 at 16 (the machine's speed swings by a sixth)
+SETTLE_S_PER_ITEM = 3e-5  # what judging a window's move at its predicted timeline costs where ops slow each other
+# (streams.predicted_cost: 6-14 ms on GoogLeNet training's ~450 items as the machine swings), charged a window taken
 LANES = 2  # windows solved at once, on threads (CP-SAT releases the GIL): that machine's cores
 LOOKAHEAD = 16  # windows solved ahead of the one whose result is taken next, at most
 FIT_EVERY = 8  # kept schedules between checks of the runner's arena (each ~0.07 s on training graphs)
@@ -64,7 +71,7 @@ def _judged(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[
             ) -> tuple[Schedule, bool] | None:
     """(the schedule with the move made, whether it fits the cap) if that is cheaper, else None."""
     trial = apply(s, items, move)
-    if cost(p, trial) >= s_cost:
+    if predicted_cost(p, trial) >= s_cost:
         return None
     return trial, peaks_within(p, trial, cap_bytes)
 
@@ -91,14 +98,15 @@ def _memory(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[
 
 def solve_round(pool: ThreadPoolExecutor, lanes: int, items: list[Item], edges: list[tuple[int, int]],
                 memory: Memory | None, spans: Iterator[Span], streams: int, seed: int, det_s: float,
-                gains: Callable[[Move | None], Schedule | None], budget_s: float, deadline: float
-                ) -> tuple[list[Span], tuple[Span, Schedule] | None, float]:
+                gains: Callable[[Move | None], Schedule | None], budget_s: float, deadline: float,
+                judge_s: float = 0.0) -> tuple[list[Span], tuple[Span, Schedule] | None, float]:
     """Solves the spans in order on `lanes` threads, each lane taking the next span as soon as it is free, and
     takes their results in order up to the first that gains, or until `budget_s` is spent or the wall clock
     passes `deadline`: (the windows taken without gain, the gaining window and its schedule or None, the
-    seconds spent). Windows solved past the first gain are stopped and discarded, so the windows taken are
-    those one lane would take. The seconds are those of the windows taken, laid out in order on the lanes as
-    the threads take them: they depend on CP-SAT's deterministic time, not on which thread finished first."""
+    seconds spent, with `judge_s` a window taken for judging its move). Windows solved past the first gain are
+    stopped and discarded, so the windows taken are those one lane would take. The seconds are those of the
+    windows taken, laid out in order on the lanes as the threads take them: they depend on CP-SAT's
+    deterministic time, not on which thread finished first."""
     stop, flight, failed, gain = Stop(), deque(), [], None
     lane_free = [0.0] * lanes
 
@@ -118,7 +126,7 @@ def solve_round(pool: ThreadPoolExecutor, lanes: int, items: list[Item], edges: 
         flight.popleft()
         move, used = future.result()
         lane = lane_free.index(min(lane_free))
-        lane_free[lane] += used * WALL_PER_DET + WINDOW_OVERHEAD_S
+        lane_free[lane] += used * WALL_PER_DET + WINDOW_OVERHEAD_S + judge_s
         trial = gains(move)
         if trial is not None:
             gain = span, trial
@@ -136,24 +144,26 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
            fits: Callable[[Schedule], bool] | None = None, lanes: int = LANES, fit_s: float = 0.0,
            deadline: float = float("inf")) -> tuple[Schedule, float, bool]:
     """(the schedule improved window by window, the budget spent, whether the wall clock ended it). Passes sweep
-    windows of WINDOW_SIZES[i] items from the start of the schedule to its end, overlapping by half; a window is kept
-    when the schedule gets cheaper and fits the cap. A pass that gains over MIN_PASS_GAIN repeats its size, one that
-    does not moves on to larger windows; after the largest, the sizes cycle again while the cycle before gained over
-    MIN_PASS_GAIN, then again with each window solved longer (WINDOW_DET_LEVELS). Windows whose model was solved
-    before without gain at this length are skipped, so a later cycle solves only the windows that kept schedules
-    changed. `lanes` threads solve the next windows of the sweep from the same schedule, taken in order up to the
-    first that gains (`solve_round`): most windows gain nothing, so this keeps the windows one lane would, sooner
-    (ResNet-50 training at 50%, 60 s: 8573.6 us against 8648.8 with one lane). The budget is in seconds of the
+    windows of a stage's sizes (`stages_for`) from the start of the schedule to its end, overlapping by half; a
+    window is kept when the schedule gets cheaper and fits the cap. A pass that gains over MIN_PASS_GAIN repeats
+    its size, one that does not moves on to the next size; after the largest, the sizes cycle again while the
+    cycle before gained over MIN_PASS_GAIN, then the next stage solves each window longer. Windows whose model was
+    solved before without gain at this length are skipped, so a later cycle solves only the windows that kept
+    schedules changed. `lanes` threads solve the next windows of the sweep from the same schedule, taken in order
+    up to the first that gains (`solve_round`): this keeps the windows one lane would, sooner (ResNet-50 training
+    at 50%, 60 s: 8573.6 us against 8648.8 with one lane). The budget is in seconds of the
     development machine, counted from CP-SAT's deterministic time (WALL_PER_DET, WINDOW_OVERHEAD_S) so that plans
     repeat for a given seed and lane count; no round starts after the wall clock passes `deadline`, less the arena
     checks that follow the last (a slower machine's plan then depends on its speed). Kept schedules must also pass
     `fits` (the runner's arena, which may need more than the peak), checked every FIT_EVERY of them (`_verified`),
     each check charged `fit_s`."""
     t_start, spent = time.monotonic(), 0.0
-    best, best_cost = s, cost(p, s)
+    best, best_cost = s, predicted_cost(p, s)
     fruitless: set[tuple] = set()
     level, size, cycle_cost = 0, 0, best_cost
     verified, unverified = s, []  # the last schedule known to fit; those kept since, with their windows
+    stages = stages_for(p, s)
+    judge_s = SETTLE_S_PER_ITEM * len(items_of(p, s)) if p.co_running > 0 else 0.0
 
     fit_wall = 0.0  # the longest arena check seen, in wall seconds
 
@@ -172,16 +182,17 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
         return deadline - fit_wall * FIT_EVERY.bit_length()
 
     with ThreadPoolExecutor(lanes) as pool:
-        while level < len(WINDOW_DET_LEVELS) and spent < budget_s and time.monotonic() < last_round_by():
-            width, k, pass_cost = WINDOW_SIZES[size], 0, best_cost
+        while level < len(stages) and spent < budget_s and time.monotonic() < last_round_by():
+            sizes, det_s = stages[level]
+            width, k, pass_cost = sizes[size], 0, best_cost
             while True:
                 items = items_of(p, best)
                 edges = precedences(p, best, items)  # all three change only when a window is kept
                 memory = _memory(p, cap_bytes, best, best_cost, items)
                 failed, gain, used = solve_round(
                     pool, lanes, items, edges, memory, sweep(p, best, items, width, k, fruitless), streams, seed,
-                    WINDOW_DET_LEVELS[level], lambda move: _better(p, cap_bytes, best, best_cost, items, move),
-                    budget_s - spent, last_round_by())
+                    det_s, lambda move: _better(p, cap_bytes, best, best_cost, items, move),
+                    budget_s - spent, last_round_by(), judge_s)
                 spent += used
                 fruitless.update(seen for _, _, _, seen in failed)
                 if gain is None:  # the pass or the budget is over
@@ -190,22 +201,28 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
                 unverified.append((best, seen))
                 if fits is not None and len(unverified) >= FIT_EVERY:
                     best = verified = _verified(verified, unverified, fitting, fruitless)
-                best_cost, k = cost(p, best), k + width // 2
+                best_cost, k = predicted_cost(p, best), k + width // 2
                 if on_progress:
                     on_progress(best.makespan(p), time.monotonic() - t_start)
             size += best_cost > pass_cost * (1 - MIN_PASS_GAIN)
-            if size == len(WINDOW_SIZES):
+            if size == len(sizes):
                 if best_cost >= cycle_cost * (1 - MIN_PASS_GAIN):  # converged: the next stage, every window again
                     if fits is not None and unverified:
                         best = verified = _verified(verified, unverified, fitting, fruitless)
-                        best_cost = cost(p, best)
+                        best_cost = predicted_cost(p, best)
                     level += 1
                     fruitless.clear()
                 size, cycle_cost = 0, best_cost
-    wall_ended = level < len(WINDOW_DET_LEVELS) and spent < budget_s  # neither converged nor out of budget
+    wall_ended = level < len(stages) and spent < budget_s  # neither converged nor out of budget
     if fits is not None and unverified:
         best = _verified(verified, unverified, fitting, fruitless)
     return best, spent, wall_ended
+
+
+def stages_for(p: Problem, s: Schedule) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """WIDE_STAGES where the schedule runs WIDE_FROM compute items at once or more on average, else NARROW_STAGES."""
+    busy = sum(item.end - item.start for item in items_of(p, s) if item.compute)
+    return WIDE_STAGES if busy >= WIDE_FROM * s.makespan(p) else NARROW_STAGES
 
 
 def _verified(verified: Schedule, unverified: list[tuple[Schedule, tuple]], fits: Callable[[Schedule], bool],

@@ -26,7 +26,7 @@ from planner.problem import Problem, build_problem
 from planner.profile import Profile
 from planner.schedule import Schedule, loose_horizon
 from planner.serialize import fitting_serial, offer_serial, offer_serial_form
-from planner.streams import build_plan
+from planner.streams import build_plan, predicted_cost
 
 REFINED = ("CP-SAT on windows of the timeline (planner.refine; on the whole model first up to 200 ops): each window's "
            "ops free, the keep/offload/recompute decisions fixed")
@@ -175,7 +175,7 @@ def solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Options
     evals = fit_evals(options.time_limit_s, charged, quick_s)
     if evals > QUICK_EVALS:  # from the target found (one try, unless the fuller plan's arena overflows), or anew
         fuller_target, fuller, _ = fit_at(target if hint else start_bytes, evals)
-        if fuller is not None and (hint is None or cost(p, fuller) <= cost(p, hint)):
+        if fuller is not None and (hint is None or predicted_cost(p, fuller) <= predicted_cost(p, hint)):
             target, hint = fuller_target, fuller
             if first_s is None:  # the quick heuristic fitted nothing: this is the first valid plan
                 first(target, hint)
@@ -183,7 +183,7 @@ def solve_graph(graph: Graph, profile: Profile, cap_bytes: int, options: Options
         if hint is not None and evals > QUICK_EVALS and cost(p, hint) > COSTLY_CAP * uncapped_cost(
                 p, options.streams, slack, work):
             other_target, other, _ = fit_at(target, evals, largest_first=True, steps=SECOND_ORDER_STEPS)
-            if other is not None and cost(p, other) < cost(p, hint):
+            if other is not None and predicted_cost(p, other) < predicted_cost(p, hint):
                 target, hint = other_target, other
     deeper = (deep_fit(graph, p, cap_bytes, target, options.streams, hint, slack, fits, work) if hint is not None
               else None)
@@ -323,7 +323,8 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
                              lambda ms, at_bound, at: progress(ms, at_bound, elapsed + at),
                              max_wall_s=deadline - time.monotonic(), wall_cap=not options.deterministic)
         bound = result.bound_ticks
-        if result.schedule is not None and (start is None or cost(p, result.schedule) < cost(p, start)):
+        if result.schedule is not None and (start is None
+                                            or predicted_cost(p, result.schedule) < predicted_cost(p, start)):
             if start is None or found[0][1] == "heuristic":
                 found.insert(0, (result.schedule, result.status, False))
             else:
@@ -340,7 +341,7 @@ def _search(p: Problem, cap_bytes: int, horizon: int, hint: Schedule | None, opt
         out, _, wall_ended = refine(p, cap_bytes, options.streams, start, budget_s, options.seed,
                                     lambda ms, at: progress(ms, 0, elapsed + at), fits,
                                     min(options.workers, LANES), len(p.ops) * LAYOUT_S_PER_OP, deadline)
-        if cost(p, out) < cost(p, start):
+        if predicted_cost(p, out) < predicted_cost(p, start):
             found.insert(0, (out, f"{how}; refined window by window from {start.makespan(p) * p.tick_us:.1f} us",
                              True))
 

@@ -25,6 +25,7 @@ from planner.problem import Alternative, Op, Problem, build_problem
 from planner.profile import Profile
 from planner.schedule import Schedule
 from planner.show import sm_time_us
+from planner.streams import Item, maximal_predecessors
 from planner.solve import Options, solve_plan
 from planner.stats import serial_peak_bytes
 from planner.training import build_training
@@ -49,6 +50,19 @@ def test_two_ops_side_by_side_settle_where_each_runs_one_plus_k_times_the_others
     assert slowdown == pytest.approx([1.5, 1.5, 1.0], abs=1e-3)
     assert settle(np.array([10.0, 10.0, 4.0]), np.array([0.5, 0.5, 1.0]), 0.0, replay)[1] == pytest.approx(
         [10.0, 10.0, 14.0])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_an_item_waits_for_those_ended_by_its_start_that_nothing_ended_after_them_follows(seed):
+    """maximal_predecessors against its definition, on random intervals with ties and zero lengths: A with
+    end(A) <= start(B), and no other such A' with start(A') >= end(A)."""
+    rng = random.Random(seed)
+    items = sorted((Item("op", i, t, t + rng.choice([0, 1, 2, 3, 5]), 1.0)
+                    for i, t in enumerate(rng.randint(0, 20) for _ in range(rng.randint(1, 30)))),
+                   key=lambda it: (it.start, it.end))
+    for b, preds in zip(items, maximal_predecessors(items)):
+        before = [a for a, it in enumerate(items) if it.end <= b.start]
+        assert preds == [a for a in before if not any(items[c].start >= items[a].end for c in before)]
 
 
 def test_a_copy_beside_kernels_keeps_its_duration():

@@ -41,14 +41,14 @@ def lean_only(p):
 
 def test_conv1_recomputes_on_the_stem_kernel(googlenet_train_b32):
     """GoogLeNet training b32 fp16 on the measured H100 profile: conv1's output (49 MiB) recomputes one way, the
-    wgmma stem kernel, in 41.5 us without workspace; it dominates cuDNN's ways, which before the stem were two
-    (196.7 us lean, 91.0 us with 12.3 MiB). A ReLU output recomputed as the fused kernel has that one way, and its
-    deep way re-runs the stem, then the fused kernel. Where a tensor has several ways, each faster needs more
-    workspace."""
+    wgmma stem kernel, in 39.5 us (with the fitted 0.13 us an op) without workspace; it dominates cuDNN's ways,
+    which before the stem were two (196.7 us lean, 91.0 us with 12.3 MiB). A ReLU output recomputed as the fused
+    kernel has that one way, and its deep way re-runs the stem, then the fused kernel. Where a tensor has several
+    ways, each faster needs more workspace."""
     p = googlenet_train_b32
     conv1 = next(t for t in p.tensors if t.name == "/conv1/conv/Conv_output_0")
     assert conv1.recompute_alternatives == [conv1.recompute] and conv1.recompute.name == "stem:wgmma"
-    assert conv1.recompute.workspace_bytes == 0 and conv1.recompute.time_us == pytest.approx(41.5, abs=0.1)
+    assert conv1.recompute.workspace_bytes == 0 and conv1.recompute.time_us == pytest.approx(39.5, abs=0.1)
     relu = next(t for t in p.tensors if t.name == "/conv1/Relu_output_0")
     assert len(relu.recompute_alternatives) == 1 and relu.recompute.name.startswith(FUSED_RECOMPUTE)
     for t in p.tensors:

@@ -13,14 +13,17 @@ from planner import refine as refine_module
 from planner.check import check_plan
 from planner.decisions import fit_cap
 from planner.heuristic import cost, list_schedule, serial
+from planner.problem import Alternative, Op, Problem
 from planner.plan import Totals
-from planner.refine import WINDOW_DET_LEVELS, WINDOW_SIZES, refine, sweep
+from planner.refine import NARROW_STAGES, WIDE_STAGES, refine, stages_for, sweep
 from planner.window import Memory, add_window_resources, apply, items_of, new_window, precedences, solve_window
 from planner.schedule import peak_memory, timed
 from planner.decisions import best_heuristic, fit_slack
-from planner.streams import build_plan
+from planner.streams import build_plan, predicted_cost
 from planner.window_memory import add_window_memory, residencies
-from test_solver import EMPTY, brute_force_makespan, chain_problem, random_problem
+from test_solver import EMPTY, H100, brute_force_makespan, chain_problem, random_problem
+
+WINDOW_DET_S = 0.2  # CP-SAT's deterministic time for windows solved one by one here
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -97,9 +100,44 @@ def test_a_converged_search_solves_every_window_again_for_longer(monkeypatch):
 
     monkeypatch.setattr(refine_module, "solve_window", spy)
     best, *_ = refine(p, 1 << 40, 3, start, budget_s=1000, lanes=1)
-    assert solved_for == sorted(solved_for) and set(solved_for) == set(WINDOW_DET_LEVELS)
-    first_sweep = list(sweep(p, best, items_of(p, best), WINDOW_SIZES[0], 0, set()))
-    assert solved_for.count(WINDOW_DET_LEVELS[-1]) >= len(first_sweep)
+    stages = stages_for(p, start)
+    assert solved_for == sorted(solved_for) and set(solved_for) == {det_s for _, det_s in stages}
+    last_sizes, last_det_s = stages[-1]
+    first_sweep = list(sweep(p, best, items_of(p, best), last_sizes[0], 0, set()))
+    assert solved_for.count(last_det_s) >= len(first_sweep)
+
+
+@pytest.mark.parametrize("k,predicted_us", [(0.0, 20.0), (1.0, 25.0), (3.0, 30.0)])
+def test_a_window_is_kept_by_the_time_the_plan_will_predict(k, predicted_us):
+    """a -> b and an unrelated c, 10 us each on half the SMs, start one after another (30 us). At times alone c
+    beside a always gains (20 us); slowed by 1 + k x 0.5 beside each other, a and c take 15 us at k 1 (b ends at
+    25) but 25 us at k 3, where b would end at 35: the serial schedule stays."""
+    ops = [Op(name, "relu", "forward", [Alternative("a", 10.0, 10, 0, 50)], preds)
+           for name, preds in (("a", []), ("b", [0]), ("c", []))]
+    p = Problem("pair", False, ops, [], resident_bytes=0, tick_us=1.0, device=H100, estimated=True, co_running=k)
+    refined, *_ = refine(p, 1 << 40, 2, serial(p, [0, 0, 0]), budget_s=5)
+    assert predicted_cost(p, refined) == pytest.approx(predicted_us, rel=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_search_cost_is_the_time_the_plan_predicts(seed):
+    """predicted_cost, in ticks, is the plan's replayed makespan plus copy interference, as `build_plan` settles
+    it (capped random training problems, with copies and recomputations where the cap forces them)."""
+    p, cap, streams, start = _capped(seed)
+    p.co_running = 1.5
+    totals = Totals(makespan_us=0, peak_bytes=0, mem_cap_bytes=cap, lower_bound_us=0, baseline_makespan_us=1,
+                    status="heuristic", gap=0, solve_time_s=0)
+    plan = build_plan(EMPTY, p, start, totals, streams)
+    assert max(op.slowdown for op in plan.ops) > 1.0
+    assert predicted_cost(p, start) * p.tick_us == pytest.approx(plan.totals.predicted_us, rel=1e-9)
+
+
+def test_schedules_that_run_ops_side_by_side_get_wider_windows():
+    """The same problem run one op at a time gets the narrow stages; list-scheduled on 3 streams (~1.5 ops at
+    once), the wide ones."""
+    p = random_problem(random.Random(11), n_ops=40, n_alts=3, training=True)
+    assert stages_for(p, serial(p, [0] * len(p.ops))) == NARROW_STAGES
+    assert stages_for(p, list_schedule(p, 1 << 40, 3, {}).schedule) == WIDE_STAGES
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
@@ -167,7 +205,7 @@ def test_a_window_with_memory_holds_its_own_schedule_and_its_moves_fit_the_cap(s
             w.model.add(w.start[k] == items[k].start)
             w.model.add(lits[items[k].chosen] == 1)
         assert cp_model.CpSolver().solve(w.model) == cp_model.OPTIMAL
-        move, _ = solve_window(items, edges, t0, t1, streams, 0, WINDOW_DET_LEVELS[-1],
+        move, _ = solve_window(items, edges, t0, t1, streams, 0, WINDOW_DET_S,
                                memory=Memory(lives, room, lambda move: True))
         if move is not None:
             moved = apply(s, items, move)
@@ -180,10 +218,10 @@ def test_a_window_whose_best_move_overflows_finds_one_that_fits_with_memory_mode
     edges, lives = precedences(p, s, items_of(p, s)), residencies(p, s, items_of(p, s))
     rescued = 0
     for items, t0, t1 in _windows(p, s, 8):
-        blind, _ = solve_window(items, edges, t0, t1, streams, 0, WINDOW_DET_LEVELS[-1])
+        blind, _ = solve_window(items, edges, t0, t1, streams, 0, WINDOW_DET_S)
         if blind is None or peak_memory(p, s.decision, timed(p, apply(s, items, blind)))[0] <= cap:
             continue
         memory = Memory(lives, cap - p.resident_bytes, lambda move: True)
-        aware, _ = solve_window(items, edges, t0, t1, streams, 0, WINDOW_DET_LEVELS[-1], memory=memory)
+        aware, _ = solve_window(items, edges, t0, t1, streams, 0, WINDOW_DET_S, memory=memory)
         rescued += aware is not None and cost(p, apply(s, items, aware)) < cost(p, s)
     assert rescued >= 1
