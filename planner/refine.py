@@ -38,7 +38,9 @@ WIDE_STAGES = tuple(((24, 48), det_s) for det_s in (0.1, 0.2, 0.5, 1.0))  # wher
 # 3060.3 in a 300-s solve; stages that start narrow and widen once converged gain nothing within 300 s)
 WIDE_FROM = 1.35  # compute items running at once, on average over the start schedule, from which WIDE_STAGES
 # serve (training b32 fp16: GoogLeNet's schedules run 1.43-1.45, ResNet-50's 1.05-1.06; GoogLeNet fp32's 1.30 gains
-# nothing from them: 6667.7 us uncapped against 6642.3)
+# nothing from them: 6667.7 us uncapped against 6642.3). Not where ops slow each other: a wide window's move, judged
+# settled as a whole, mostly loses, where narrow ones gain piece by piece (GoogLeNet training b32 fp16, H100 at k
+# 1.63, the budget of a 120-s solve: at 50% 3420.5 us narrow against 3455.2 wide, uncapped 3217.2 against 3259.6)
 WALL_PER_DET = 18.0  # wall seconds per deterministic second of the windows taken, laid out on the lanes, and
 WINDOW_OVERHEAD_S = 0.032  # the wall seconds a window costs besides: fitted to the rounds' wall times on the 2-core
 # development machine (training b32, budget in full, 178 and 93 rounds of GoogLeNet at 50% and ResNet-50 at
@@ -220,9 +222,10 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
 
 
 def stages_for(p: Problem, s: Schedule) -> tuple[tuple[tuple[int, ...], float], ...]:
-    """WIDE_STAGES where the schedule runs WIDE_FROM compute items at once or more on average, else NARROW_STAGES."""
+    """WIDE_STAGES where the schedule runs WIDE_FROM compute items at once or more on average and nothing slows
+    what runs beside it, else NARROW_STAGES."""
     busy = sum(item.end - item.start for item in items_of(p, s) if item.compute)
-    return WIDE_STAGES if busy >= WIDE_FROM * s.makespan(p) else NARROW_STAGES
+    return WIDE_STAGES if p.co_running <= 0 and busy >= WIDE_FROM * s.makespan(p) else NARROW_STAGES
 
 
 def _verified(verified: Schedule, unverified: list[tuple[Schedule, tuple]], fits: Callable[[Schedule], bool],
