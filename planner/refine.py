@@ -50,7 +50,7 @@ WINDOW_OVERHEAD_S = 0.032  # the wall seconds a window costs besides: fitted to 
 # within 10%), but kept: at 16 and 0.03 ResNet-50 at cap40torch took 121.7 s of its 120, and at 17 GoogLeNet
 # uncapped took 127.0 s where it had taken 109.3 at 16 (the machine's speed swings by a sixth)
 SETTLE_S_PER_ITEM = 3e-5  # what judging a window's move at its predicted timeline costs where ops slow each other
-# (streams.predicted_cost: 6-14 ms on GoogLeNet training's ~450 items as the machine swings), charged a window taken
+# (streams.predicted_cost: 6-14 ms on GoogLeNet training's 401 items as the machine swings), charged a window taken
 LANES = 2  # windows solved at once, on threads (CP-SAT releases the GIL): that machine's cores
 LOOKAHEAD = 16  # windows solved ahead of the one whose result is taken next, at most
 FIT_EVERY = 8  # kept schedules between checks of the runner's arena (each ~0.07 s on training graphs)
