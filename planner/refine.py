@@ -70,19 +70,19 @@ def sweep(p: Problem, s: Schedule, items: list[Item], width: int, k: int, fruitl
 
 
 def _judged(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[Item], move: Move
-            ) -> tuple[Schedule, bool] | None:
-    """(the schedule with the move made, whether it fits the cap) if that is cheaper, else None."""
+            ) -> tuple[Schedule, float, bool] | None:
+    """(the schedule with the move made, its cost, whether it fits the cap) if that is cheaper, else None."""
     trial = apply(s, items, move)
-    if predicted_cost(p, trial) >= s_cost:
+    if (trial_cost := predicted_cost(p, trial)) >= s_cost:
         return None
-    return trial, peaks_within(p, trial, cap_bytes)
+    return trial, trial_cost, peaks_within(p, trial, cap_bytes)
 
 
 def _better(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[Item], move: Move | None
-            ) -> Schedule | None:
-    """The schedule with the move made, if that is cheaper and fits the cap."""
+            ) -> tuple[Schedule, float] | None:
+    """The schedule with the move made and its cost, if that is cheaper and fits the cap."""
     judged = _judged(p, cap_bytes, s, s_cost, items, move) if move is not None else None
-    return judged[0] if judged is not None and judged[1] else None
+    return judged[:2] if judged is not None and judged[2] else None
 
 
 def _memory(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[Item]) -> Memory | None:
@@ -93,18 +93,18 @@ def _memory(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[
 
     def overflows(move: Move) -> bool:
         judged = _judged(p, cap_bytes, s, s_cost, items, move)
-        return judged is not None and not judged[1]
+        return judged is not None and not judged[2]
 
     return Memory(residencies(p, s, items), room, overflows)
 
 
 def solve_round(pool: ThreadPoolExecutor, lanes: int, items: list[Item], edges: list[tuple[int, int]],
                 memory: Memory | None, spans: Iterator[Span], streams: int, seed: int, det_s: float,
-                gains: Callable[[Move | None], Schedule | None], budget_s: float, deadline: float,
-                judge_s: float = 0.0) -> tuple[list[Span], tuple[Span, Schedule] | None, float]:
+                gains: Callable[[Move | None], tuple[Schedule, float] | None], budget_s: float, deadline: float,
+                judge_s: float = 0.0) -> tuple[list[Span], tuple[Span, tuple[Schedule, float]] | None, float]:
     """Solves the spans in order on `lanes` threads, each lane taking the next span as soon as it is free, and
     takes their results in order up to the first that gains, or until `budget_s` is spent or the wall clock
-    passes `deadline`: (the windows taken without gain, the gaining window and its schedule or None, the
+    passes `deadline`: (the windows taken without gain, the gaining window and its schedule and cost or None, the
     seconds spent, with `judge_s` a window taken for judging its move). Windows solved past the first gain are
     stopped and discarded, so the windows taken are those one lane would take. The seconds are those of the
     windows taken, laid out in order on the lanes as the threads take them: they depend on CP-SAT's
@@ -199,11 +199,14 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
                 fruitless.update(seen for _, _, _, seen in failed)
                 if gain is None:  # the pass or the budget is over
                     break
-                (k, _, _, seen), best = gain
+                (k, _, _, seen), (best, best_cost) = gain
                 unverified.append((best, seen))
                 if fits is not None and len(unverified) >= FIT_EVERY:
-                    best = verified = _verified(verified, unverified, fitting, fruitless)
-                best_cost, k = predicted_cost(p, best), k + width // 2
+                    kept, best = best, _verified(verified, unverified, fitting, fruitless)
+                    verified = best
+                    if best is not kept:  # rolled back: the gain's cost is not this schedule's
+                        best_cost = predicted_cost(p, best)
+                k += width // 2
                 if on_progress:
                     on_progress(best.makespan(p), time.monotonic() - t_start)
             size += best_cost > pass_cost * (1 - MIN_PASS_GAIN)
