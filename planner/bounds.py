@@ -33,6 +33,7 @@ import numpy as np
 from planner.chain_fill import LP, add_chain_fill, chain_and_fillers
 from planner.co_running import area_us as co_running_area_us
 from planner.co_running import lower_bound_us as co_running_us
+from planner.co_running import slot_area_us, slot_rates
 from planner.dag import Dag, dram_share, rates, sm_share
 from planner.memory_bounds import memory_cut_us
 from planner.problem import SM_CAPACITY, Problem
@@ -48,7 +49,7 @@ def lower_bounds_us(p: Problem, streams: int, cap_bytes: int | None = None, quic
     """Bounds every schedule obeys (module docstring): the dependency chain, SM work (and DRAM work with --dram),
     streams, big ops with a chain, heads and tails that combine them all, and under a cap what the cap forces
     off the device (`memory_cut_us`). `quick` leaves out those that solve linear programs (chain_fill,
-    co_running and memory_cut: 1.6 of 1.9 s on GoogLeNet training b32 at 50%)."""
+    co_running and memory_cut: 1.8-2.2 of 1.9-2.4 s on GoogLeNet training b32 at 50% on the H100)."""
     dag = Dag.of(p)
     fastest = dag.fastest_us()
     dram = any(a.dram_demand for o in p.ops for a in o.alternatives)
@@ -64,11 +65,14 @@ def lower_bounds_us(p: Problem, streams: int, cap_bytes: int | None = None, quic
         if quick:
             return bounds
         bounds["chain_fill"] = chain_fill_us(dag, anc, streams, dram)
+        psi = None
         if p.co_running > 0 and streams > 1:
+            psi = slot_rates(dag.alts + [t.recompute_alternatives for t in p.tensors if t.can_recompute], streams,
+                             p.co_running)
             heads, tails, bounds["co_running"] = segment_heads_tails(dag, anc, heads, tails, streams, dram,
-                                                                     p.co_running)
+                                                                     p.co_running, psi)
         if cap_bytes is not None and any(t.choosable for t in p.tensors):
-            bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, anc, heads, tails, streams, dram)
+            bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, anc, heads, tails, streams, dram, psi)
     return bounds
 
 
@@ -189,24 +193,27 @@ def separators(anc: np.ndarray) -> list[int]:
 
 
 def segment_us(dag: Dag, anc: np.ndarray, first: int, end: int, streams: int, dram: bool,
-               co_running: float = 0.0) -> float:
+               co_running: float = 0.0, psi: dict[int, float] | None = None) -> float:
     """A bound on the time the ops at positions [first, end) take, alone: head_tail and chain_fill of their own
     DAG from 2 up to SEGMENT_OPS ops, the chain and the SM work otherwise (one op: its fastest time); with a
     co-running slowdown on several streams, also what running side by side costs them (`co_running`: the
-    configuration LP, and the area bound that holds where the LP has too many configurations)."""
+    configuration LP; where it has too many configurations, the area bound and the stream-slot one at `psi`, which
+    hold there)."""
     sub = Dag([[u - first for u in dag.preds[v] if u >= first] for v in range(first, end)], dag.alts[first:end])
     best = max(_longest_chain_us(sub, sub.fastest_us()), float(sub.least(sm_share).sum()))
     if 1 < end - first <= SEGMENT_OPS:
         best = max(best, head_tail_us(sub, streams, dram), chain_fill_us(sub, anc[first:end, first:end], streams, dram))
     if co_running > 0 and streams > 1 and end - first > 1:
         related = anc[first:end, first:end] | anc[first:end, first:end].T | np.eye(end - first, dtype=bool)
-        best = max(best, co_running_us(sub.alts, ~related, streams, co_running) or 0.0,
-                   co_running_area_us(sub.alts, co_running))
+        exact = co_running_us(sub.alts, ~related, streams, co_running)
+        slots = slot_area_us(sub.alts, psi) if exact is None and psi else 0.0
+        best = max(best, exact or 0.0, slots, co_running_area_us(sub.alts, co_running))
     return best
 
 
 def segment_heads_tails(dag: Dag, anc: np.ndarray, heads: np.ndarray, tails: np.ndarray, streams: int,
-                        dram: bool = False, co_running: float = 0.0) -> tuple[np.ndarray, np.ndarray, float]:
+                        dram: bool = False, co_running: float = 0.0, psi: dict[int, float] | None = None
+                        ) -> tuple[np.ndarray, np.ndarray, float]:
     """(heads, tails, the segments' bounds summed): the segments between `separators` run one after another, so
     an op starts after the bounds of the segments before its own (`segment_us`) add up, and ends before those
     after it. The window bounds of `heads_us` count SM work, not chain_fill's fit (GoogLeNet training b32: the
@@ -215,7 +222,7 @@ def segment_heads_tails(dag: Dag, anc: np.ndarray, heads: np.ndarray, tails: np.
     edges = [0, *separators(anc), len(anc)]
     if len(edges) == 2 and not (co_running > 0 and streams > 1):
         return heads, tails, 0.0
-    spans = [segment_us(dag, anc, a, b, streams, dram, co_running) for a, b in zip(edges, edges[1:])]
+    spans = [segment_us(dag, anc, a, b, streams, dram, co_running, psi) for a, b in zip(edges, edges[1:])]
     before = np.concatenate([[0.0], np.cumsum(spans)])
     heads, tails = heads.copy(), tails.copy()
     for k, (a, b) in enumerate(zip(edges, edges[1:])):

@@ -14,7 +14,8 @@ LAYOUT_S_PER_OP = 2.3e-4  # an op of a plan built and laid out until a placement
 PLACE_S_PER_OP = 8e-5  # an op of a plan placed again in a round past the orders (arena.placements; 0.05 s a round
 # on GoogLeNet training b32's 636 ops)
 SETUP_S_PER_OP = 2e-4  # an op of a problem built
-BOUND_S_PER_OP = 3.5e-3  # an op of a problem bounded (lower_bounds_us under a cap, chain_fill's LPs included)
+BOUND_S_PER_OP = 4.5e-3  # an op of a problem bounded (lower_bounds_us under a cap, the LPs included: GoogLeNet training
+# b32 at 50% on the H100, 387 ops, 1.9-2.4 s; ResNet-50 at 30%, 360 ops, 1.4-1.7 s; seventy-first session)
 CPSAT_WALL_PER_DET = 7.5  # wall seconds per deterministic second of CP-SAT on a whole model (solve_graph._search; one
 # worker searches there, cpsat.solve: inference b32 runs 18-20, GoogLeNet and Inception v3, and --deterministic
 # solves of them pass their limit by up to 1.4x; at 20 the exit-3 search no longer proves small minimum caps)

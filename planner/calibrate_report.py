@@ -21,9 +21,10 @@ from planner.report import RunReport
 
 def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[Path] | None,
                     write: list[Path] | None, console: Console, per_batch: bool = False,
-                    per_model: bool = False) -> None:
+                    per_model: bool = False, per_dtype: bool = False) -> None:
     """Fit on the reports (with their plans and traces, in order), print the fit, write it to `write` (with
-    `per_batch` or `per_model`, as the runs' batch's or model's own values: they must share it)."""
+    `per_batch`, `per_model` or `per_dtype`, as the runs' batch's, model's or dtype's own values: they must share
+    it)."""
     for what, given in (("--plan", plans), ("--trace", traces)):
         if given and len(given) != len(reports):
             raise PlannerError(f"{len(reports)} reports but {len(given)} {what} files")
@@ -33,7 +34,8 @@ def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[
     if len(fingerprints) > 1 or len(modes) > 1:
         raise PlannerError("the runs mix devices or training with inference; calibrate one device and mode at a time")
     mode = calibration_key(modes.pop() == "training", _shared(runs, "batch") if per_batch else None,
-                           _shared(runs, "model_name") if per_model else None)
+                           _shared(runs, "model_name") if per_model else None,
+                           _shared(runs, "dtype") if per_dtype else None)
     if not re.match(CALIBRATION_KEY, mode):
         raise PlannerError(f"--per-model: the model name in {mode!r} has white space; rename the model file")
     copies, beside = _traced(runs, run_reports, traces)
@@ -85,11 +87,10 @@ def calibrate_files(reports: list[Path], plans: list[Path] | None, traces: list[
 
 
 def _shared(runs: list, field: str):
-    """The one value of the runs' plans' `field` (their batch, their model), which a per-batch or per-model fit
-    needs."""
+    """The one value of the runs' plans' `field` (their batch, model or dtype), which a fit of one's own needs."""
     values = {getattr(r.plan, field) for r in runs}
     if len(values) > 1:
-        what = {"batch": "batches", "model_name": "models"}[field]
+        what = {"batch": "batches", "model_name": "models", "dtype": "dtypes"}[field]
         raise PlannerError(f"the runs are of {what} {sorted(values)}: a fit of one's own takes runs of one")
     return values.pop()
 

@@ -321,6 +321,8 @@ def calibrate(
                                                                      "the fitted dispatch time (and copy slowdown)"),
     per_batch: bool = typer.Option(False, "--per-batch", help="write the fit as the runs' batch's own (one batch), "
                                                               "which solve prefers to the mode's for that batch"),
+    per_dtype: bool = typer.Option(False, "--per-dtype", help="write the fit as the runs' dtype's own (one dtype), "
+                                                              "which solve prefers to any fitted without one"),
     per_model: bool = typer.Option(False, "--per-model", help="write the fit as the runs' model's own (one model; "
                                                               "with --per-batch, at that batch)"),
 ):
@@ -328,7 +330,7 @@ def calibrate(
     measured runs, apart for plans on one compute stream; --write stores them."""
     from planner.calibrate_report import calibrate_files
 
-    calibrate_files(reports, plans, traces, write, console, per_batch, per_model)
+    calibrate_files(reports, plans, traces, write, console, per_batch, per_model, per_dtype)
 
 
 @app.command()

@@ -142,6 +142,72 @@ def area_rate(k: float) -> Callable[[Alternative], float]:
     return phi
 
 
+def slot_rates(alternatives: list[list[Alternative]], streams: int, k: float) -> dict[int, float]:
+    """psi: per SM demand, what an alternative's time alone costs of the GPU's time, at least, when at most
+    `streams` items run at once. A narrow op that `area_rate` prices at its SM work slowed holds one of the
+    streams while it runs, and few of them fill no GPU (GoogLeNet training's backward pass: 60 weight gradients
+    of 5-20% of the SMs). Any psi with, for every multiset of at most `streams` demands s_j summing to U <= 1,
+
+      sum_j psi(s_j) / (1 + k (U - s_j)) <= 1   (a demand of 0 is not slowed: its term is psi(0))
+
+    makes y_i = min_a t_ia psi(s_ia) a dual solution of `lower_bound_us`'s LP, over every op set: a bound where
+    the LP has too many configurations. phi of `area_rate` is one (the configuration gains at most 1); this is the
+    one that maximises sum y over these alternatives, an LP over the demands they use, its rows generated as
+    the multisets they violate (GoogLeNet training b32: 98 demands, 214k multisets, 11-19 rounds)."""
+    demands = sorted({a.sm_demand for alts in alternatives for a in alts})
+    rows = _multisets(np.array(demands), streams, k)
+    ways = [(i, demands.index(a.sm_demand), a.time_us) for i, alts in enumerate(alternatives) for a in alts]
+    n, m = len(demands), len(alternatives)
+    tied = sparse.csr_matrix((np.r_[np.ones(len(ways)), [-t for *_, t in ways]],  # y_i <= t_ia psi(s_ia)
+                              (np.r_[np.arange(len(ways)), np.arange(len(ways))],
+                               np.r_[[n + i for i, *_ in ways], [d for _, d, _ in ways]])), shape=(len(ways), n + m))
+    chosen = np.arange(n)  # the single demands
+    psi = np.zeros(n)
+    for _ in range(GENERATION_ROUNDS):
+        a_ub = sparse.vstack([sparse.hstack([rows[chosen], sparse.csr_matrix((len(chosen), m))]), tied])
+        lp = linprog(np.r_[np.zeros(n), -np.ones(m)], A_ub=a_ub, b_ub=np.r_[np.ones(len(chosen)), np.zeros(len(ways))],
+                     bounds=(0, None), method="highs")
+        if lp.status != 0:
+            return {}
+        psi = lp.x[:n]
+        gained = rows @ psi
+        violated = np.setdiff1d(np.argsort(-gained)[:2 * GENERATED_PER_ROUND], chosen)
+        violated = violated[gained[violated] > 1.0 + 1e-9]
+        if not violated.size:
+            break
+        chosen = np.concatenate([chosen, violated])
+    psi = psi / max(1.0, float((rows @ psi).max()))  # feasible whatever the last round
+    return dict(zip(demands, psi.tolist()))
+
+
+def slot_area_us(alternatives: list[list[Alternative]], psi: dict[int, float]) -> float:
+    """T >= sum_i min_a t_ia psi(s_ia) (`slot_rates`)."""
+    return float(sum(min(a.time_us * psi[a.sm_demand] for a in alts) for alts in alternatives))
+
+
+def _multisets(demands: np.ndarray, streams: int, k: float) -> sparse.csr_matrix:
+    """One row per multiset of 1 to `streams` demands summing to at most SM_CAPACITY, the single demands first:
+    its gain per demand, sum over its members of 1 / (1 + k (U - s)) (1 for a demand of 0)."""
+    level = np.arange(len(demands))[:, None]  # members, as indices into demands, in ascending order
+    found = [level]
+    for _ in range(streams - 1):
+        total = demands[level].sum(axis=1)
+        grow = (np.arange(len(demands))[None, :] >= level[:, -1:]) & (total[:, None] + demands[None, :] <= SM_CAPACITY)
+        r, c = np.nonzero(grow)
+        level = np.concatenate([level[r], c[:, None]], axis=1)
+        found.append(level)
+    r, c, v = [], [], []
+    start = 0
+    for members in found:
+        share = demands[members] / SM_CAPACITY
+        gain = np.where(share > 0, 1.0 / (1.0 + k * (share.sum(axis=1, keepdims=True) - share)), 1.0)
+        r.append(np.repeat(np.arange(start, start + len(members)), members.shape[1]))
+        c.append(members.ravel())
+        v.append(gain.ravel())
+        start += len(members)
+    return sparse.csr_matrix((np.concatenate(v), (np.concatenate(r), np.concatenate(c))), shape=(start, len(demands)))
+
+
 def _covering_lp_us(work: sparse.csc_matrix) -> float | None:
     """min sum x s.t. work x >= 1, x >= 0, by column generation from the one-op configurations: each round
     solves the LP on the columns so far and adds those its duals y price above 1. Whatever the round, sum y

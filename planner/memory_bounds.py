@@ -96,7 +96,7 @@ class Cut:
 
 
 def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: np.ndarray, tails: np.ndarray,
-                  streams: int, dram: bool = False) -> float:
+                  streams: int, dram: bool = False, psi: dict[int, float] | None = None) -> float:
     """C + copy interference >= the least, over fractional offload o_t and recompute r_t of the `Cut`'s away
     tensors freeing sum (o_t + r_t) bytes_t >= held + away bytes - cap, of H + A + copy_interference x sum o_t
     (d2h_t + h2d_t), for the cut op that gives most; H = start(v), A = C - start(v):
@@ -107,12 +107,14 @@ def memory_cut_us(p: Problem, cap_bytes: int, dag: Dag, anc: np.ndarray, heads: 
     where work is time x rate, for the SM share, for 1 / streams (on one stream: every op's time, which the SM
     share leaves out) and, with a co-running slowdown k on several streams, for `co_running.area_rate` (a narrow
     op leaves SMs idle or runs slowed: without it the co-running tails, which price no recomputation, hid what the
-    cap costs, ResNet-50 training b32 at 50% on the H200 6198.4 us against a plan of 6854.1). Offloading and
+    cap costs, ResNet-50 training b32 at 50% on the H200 6198.4 us against a plan of 6854.1) and for
+    `co_running.slot_rates`' psi (a narrow op holds one of the streams). Offloading and
     recomputing only add work, so nothing else changes; the relaxation is a linear program. On the
     CHAIN_FILL_CUTS cuts that give most, A also bounds `chain_fill` over v and its descendants, the
     recomputations among the fillers (each a share r_t of itself)."""
     fastest = dag.fastest_us()
     slowed = [area_rate(p.co_running)] if p.co_running > 0 and streams > 1 else []
+    slowed += [lambda alt: psi[alt.sm_demand]] if psi else []
     works = [(rate, dag.least(rate)) for rate in (sm_share, lambda alt: 1.0 / streams, *slowed)]
     pos = {op: k for k, op in enumerate(dag.order)}
     related = anc | anc.T

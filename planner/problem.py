@@ -185,7 +185,7 @@ def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, off
     if tick_us > MIN_TICK_US:
         simplifications.append(f"time grid coarsened to {tick_us:g} us")
 
-    dispatch_us = profile.device.dispatch_for(graph.training, streams, graph.batch, graph.model_name)
+    dispatch_us = profile.device.dispatch_for(graph.training, streams, graph.batch, graph.model_name, graph.dtype)
 
     def alternative(c: Candidate) -> Alternative:  # each op also pays the device's calibrated dispatch time
         time_us = c.time_us + dispatch_us
@@ -211,7 +211,8 @@ def build_problem(graph: Graph, profile: Profile, max_alternatives: int = 8, off
     resident = sum(t.bytes for name, t in graph.tensors.items() if t.alias_of is None and t.persistent)
     problem = Problem(graph.model_name, graph.training, ops, tensors, resident, tick_us, profile.device,
                       profile.estimated, simplifications, dispatch_us,
-                      profile.device.co_running_for(graph.training, streams, graph.batch, graph.model_name))
+                      profile.device.co_running_for(graph.training, streams, graph.batch, graph.model_name,
+                                                    graph.dtype))
     fused = {chain: replace(a := alternative(min(profile.ops[n.signature].candidates, key=lambda c: c.time_us)),
                             name=FUSED_RECOMPUTE + a.name)
              for chain, n in recompute_nodes(graph).items() if profile.ops.get(n.signature)

@@ -70,25 +70,29 @@ class OpProfile(BaseModel):
                                        "that offers one not listed measures the op again")
 
 
-CALIBRATION_KEY = r"^(training|inference)(\.b[1-9][0-9]*)?(@\S+)?$"  # mode[.b<batch>][@<model>]
+# mode[.b<batch>][.<dtype>][@<model>]
+CALIBRATION_KEY = r"^(training|inference)(\.b[1-9][0-9]*)?(\.fp16|\.fp32)?(@\S+)?$"
 CalibrationKey = Annotated[str, StringConstraints(pattern=CALIBRATION_KEY)]
 
 
-def calibration_key(training: bool, batch: int | None = None, model: str | None = None) -> str:
-    """A mode's calibration key ("training", "inference"), or one batch's of it ("inference.b1"), or one model's
-    ("inference@googlenet", "inference.b1@googlenet")."""
+def calibration_key(training: bool, batch: int | None = None, model: str | None = None,
+                    dtype: str | None = None) -> str:
+    """A mode's calibration key ("training", "inference"), or one batch's of it ("inference.b1"), one dtype's
+    ("training.fp32", "training.b32.fp32") or one model's ("inference@googlenet", "inference.b1@googlenet")."""
     return ("training" if training else "inference") + (f".b{batch}" if batch is not None else "") + (
-        f"@{model}" if model is not None else "")
+        f".{dtype}" if dtype is not None else "") + (f"@{model}" if model is not None else "")
 
 
 def calibration_value(table: dict[str, float], training: bool, batch: int | None = None,
-                      model: str | None = None) -> float:
-    """The most specific calibrated value there is: the model's at this batch, the model's, the batch's, the
-    mode's, else 0. What an op adds inside an iteration differs by batch and by network (H200 inference: k 1.17
-    and no dispatch time at b1, k 1.32 and 0.98 us an op at b32; on one stream at b1, GoogLeNet's serial plan
-    needed no dispatch time, ResNet-50's 0.79 us an op)."""
+                      model: str | None = None, dtype: str | None = None) -> float:
+    """The most specific calibrated value there is: the dtype's before any fitted without one, and among either
+    the model's at this batch, the model's, the batch's, the mode's; else 0. What an op adds inside an iteration
+    differs by batch and by network (H200 inference: k 1.17 and no dispatch time at b1, k 1.32 and 0.98 us an op
+    at b32; on one stream at b1, GoogLeNet's serial plan needed no dispatch time, ResNet-50's 0.79 us an op) and
+    by dtype (H100 GoogLeNet training b32: the fp16 fit predicted the fp32 plan 7.9% slow)."""
     batches, models = [batch, None] if batch is not None else [None], [model, None] if model is not None else [None]
-    for key in [calibration_key(training, b, m) for m in models for b in batches]:
+    dtypes = [dtype, None] if dtype is not None else [None]
+    for key in [calibration_key(training, b, m, d) for d in dtypes for m in models for b in batches]:
         if key in table:
             return table[key]
     return 0.0
@@ -151,15 +155,15 @@ class DeviceInfo(BaseModel):
         "`planner calibrate`, 0 until then")
 
     def dispatch_for(self, training: bool, streams: int = 2, batch: int | None = None,
-                     model: str | None = None) -> float:
+                     model: str | None = None, dtype: str | None = None) -> float:
         """What each op adds to its profiled time in a plan on `streams` compute streams."""
         table = self.one_stream_dispatch_us if streams == 1 else self.dispatch_us
-        return calibration_value(table, training, batch, model)
+        return calibration_value(table, training, batch, model, dtype)
 
     def co_running_for(self, training: bool, streams: int = 2, batch: int | None = None,
-                       model: str | None = None) -> float:
+                       model: str | None = None, dtype: str | None = None) -> float:
         """k of the co-running slowdown in a plan on `streams` compute streams (none on one)."""
-        return 0.0 if streams == 1 else calibration_value(self.co_running, training, batch, model)
+        return 0.0 if streams == 1 else calibration_value(self.co_running, training, batch, model, dtype)
 
     def calibrate(self, mode: str, dispatch_us: float | None,
                   copy_slowdown: dict[str, float], copy_interference: float | None,

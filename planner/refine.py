@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 from planner.problem import Problem
 from planner.schedule import Schedule, peaks_within
 from planner.streams import predicted_cost
+from planner.swaps import swap_pass
 from planner.window import Item, Memory, Move, Stop, apply, items_of, precedences, signature, solve_window
 from planner.window_memory import residencies
 
@@ -51,6 +52,8 @@ WINDOW_OVERHEAD_S = 0.032  # the wall seconds a window costs besides: fitted to 
 # uncapped took 127.0 s where it had taken 109.3 at 16 (the machine's speed swings by a sixth)
 SETTLE_S_PER_ITEM = 3e-5  # what judging a window's move at its predicted timeline costs where ops slow each other
 # (streams.predicted_cost: 6-14 ms on GoogLeNet training's 401 items as the machine swings), charged a window taken
+SWAP_S_PER_TRY = 0.025  # an algorithm and start tried by `swaps.swap_pass` (placed, its timeline settled, its
+# memory checked: 18-27 ms on GoogLeNet training b32, 290-460 tries a pass)
 LANES = 2  # windows solved at once, on threads (CP-SAT releases the GIL): that machine's cores
 LOOKAHEAD = 16  # windows solved ahead of the one whose result is taken next, at most
 FIT_EVERY = 8  # kept schedules between checks of the runner's arena (each ~0.07 s on training graphs)
@@ -158,7 +161,8 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
     repeat for a given seed and lane count; no round starts after the wall clock passes `deadline`, less the arena
     checks that follow the last (a slower machine's plan then depends on its speed). Kept schedules must also pass
     `fits` (the runner's arena, which may need more than the peak), checked every FIT_EVERY of them (`_verified`),
-    each check charged `fit_s`."""
+    each check charged `fit_s`. Where ops slow each other, each stage ends with a pass of algorithm swaps
+    (planner.swaps), kept if the arena fits."""
     t_start, spent = time.monotonic(), 0.0
     best, best_cost = s, predicted_cost(p, s)
     fruitless: set[tuple] = set()
@@ -176,6 +180,18 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
         ok = fits(trial)
         fit_wall = max(fit_wall, time.monotonic() - started)
         return ok
+
+    def swapped() -> None:
+        """Passes of the swaps that the windows, pricing ops alone, do not propose (planner.swaps), while they
+        gain and the arena fits."""
+        nonlocal best, best_cost, verified, spent
+        while spent < budget_s and time.monotonic() < last_round_by():
+            trial, trial_cost, used = swap_pass(p, cap_bytes, streams, best, best_cost, budget_s - spent,
+                                                SWAP_S_PER_TRY)
+            spent += used
+            if trial is best or not (fits is None or fitting(trial)):
+                return
+            best, best_cost, verified = trial, trial_cost, trial
 
     def last_round_by() -> float:
         """The deadline less the checks that follow the last round (`_verified`: a bisection over up to
@@ -215,6 +231,8 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
                     if fits is not None and unverified:
                         best = verified = _verified(verified, unverified, fitting, fruitless)
                         best_cost = predicted_cost(p, best)
+                    if p.co_running > 0:
+                        swapped()
                     level += 1
                     fruitless.clear()
                 size, cycle_cost = 0, best_cost

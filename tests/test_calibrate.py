@@ -41,19 +41,24 @@ def _report(plan, plan_file: Path, measured_us: float) -> RunReport:
                      validated=False)
 
 
+def _calibrated(solved, tmp_path: Path, *flags: str) -> Path:
+    """The profile file `planner calibrate --write ... FLAGS` wrote from a run of the solved plan at 2 us an op."""
+    _, prof, plan = solved
+    plan_file, profile_file = tmp_path / "plan.json", tmp_path / "profile.json"
+    save_model(plan, plan_file)
+    save_model(prof, profile_file)
+    save_model(_report(plan, plan_file, simulated_makespan_us(plan, 2.0)), tmp_path / "run.json")
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--write", str(profile_file), *flags])
+    assert result.exit_code == 0, result.output
+    return profile_file
+
+
 def test_per_batch_calibration_is_that_batchs_own_and_solve_prefers_it(solved, tmp_path):
     """`--per-batch` writes the runs' batch's values ("inference.b1"); solve prices that batch with them and other
     batches with the mode's. With `--per-model` too, the model's at that batch ("inference.b1@googlenet"), which
     come first, then the model's, the batch's and the mode's."""
     g, prof, plan = solved
-    plan_file, profile_file = tmp_path / "plan.json", tmp_path / "profile.json"
-    save_model(plan, plan_file)
-    save_model(prof, profile_file)
-    save_model(_report(plan, plan_file, simulated_makespan_us(plan, 2.0)), tmp_path / "run.json")
-    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--write", str(profile_file),
-                                      "--per-batch"])
-    assert result.exit_code == 0, result.output
-    assert "inference.b1" in result.output
+    profile_file = _calibrated(solved, tmp_path, "--per-batch")
     calibrated = load_model(Profile, profile_file)
     assert set(calibrated.device.dispatch_us) == {"inference.b1"}
     calibrated.device.dispatch_us["inference"] = 5.0
@@ -73,6 +78,22 @@ def test_per_batch_calibration_is_that_batchs_own_and_solve_prefers_it(solved, t
     device.dispatch_us.update({"inference.b1": 5.0, "inference@googlenet": 7.0})
     assert device.dispatch_for(False, 4, 1, "googlenet") == pytest.approx(2.0, abs=0.02)
     assert device.dispatch_for(False, 4, 32, "googlenet") == 7.0 and device.dispatch_for(False, 4, 1, "resnet50") == 5.0
+
+
+def test_per_dtype_calibration_comes_before_any_without_a_dtype(solved, tmp_path):
+    """`--per-dtype` writes the runs' dtype's values ("inference.fp16"): solve prices that dtype with them even where
+    the batch has its own values fitted without one, and the other dtype as before."""
+    g, prof, plan = solved
+    profile_file = _calibrated(solved, tmp_path, "--per-dtype")
+    device = load_model(Profile, profile_file).device
+    assert set(device.dispatch_us) == {"inference.fp16"}
+    device.dispatch_us.update({"inference.b1": 5.0, "inference.b1.fp32@googlenet": 7.0})
+    assert device.dispatch_for(False, 4, 1, "googlenet", "fp16") == pytest.approx(2.0, abs=0.02)
+    assert device.dispatch_for(False, 4, 1, "googlenet", "fp32") == 7.0
+    assert device.dispatch_for(False, 4, 1, "resnet50", "fp32") == 5.0 == device.dispatch_for(False, 4, 1)
+    calibrated = load_model(Profile, profile_file)
+    again = solve_plan(g, calibrated, calibrated.device.memory_bytes, Options(time_limit_s=0))
+    assert again.totals.dispatch_us == calibrated.device.dispatch_us["inference.fp16"]
 
 
 def test_per_batch_refuses_runs_of_two_batches_per_model_takes_them(solved, tmp_path):
@@ -107,15 +128,8 @@ def test_the_fit_recovers_the_dispatch_time_that_made_the_measurement(solved):
 
 
 def test_calibrate_writes_the_profile_and_solve_then_prices_every_op_with_it(solved, tmp_path):
-    g, prof, plan = solved
-    plan_file, profile_file = tmp_path / "plan.json", tmp_path / "profile.json"
-    save_model(plan, plan_file)
-    save_model(prof, profile_file)
-    measured = simulated_makespan_us(plan, 2.0)
-    save_model(_report(plan, plan_file, measured), tmp_path / "run.json")
-    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "run.json"), "--write", str(profile_file)])
-    assert result.exit_code == 0, result.output
-    calibrated = load_model(Profile, profile_file)
+    g, _, _ = solved
+    calibrated = load_model(Profile, _calibrated(solved, tmp_path))
     assert calibrated.device.dispatch_us["inference"] == pytest.approx(2.0, abs=0.02)
     assert "training" not in calibrated.device.dispatch_us
     again = solve_plan(g, calibrated, calibrated.device.memory_bytes, Options(time_limit_s=2, workers=2))

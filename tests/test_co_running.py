@@ -17,7 +17,7 @@ from planner.check import check_plan
 from planner.cli import app
 from planner.co_running import area_us as co_running_area_us
 from planner.co_running import lower_bound_us as co_running_lp_us
-from planner.co_running import occupancy, settle
+from planner.co_running import occupancy, settle, slot_area_us, slot_rates
 from planner.devices import load_device
 from planner.files import load_model, save_model
 from planner.onnx_import import import_onnx
@@ -231,6 +231,10 @@ def test_no_settled_schedule_of_a_random_dag_beats_the_bound(seed):
     area = co_running_area_us(alts, p.co_running)  # a dual solution of the LP: never above it, and it holds alone
     assert area <= co_running_lp_us(alts, np.ones((len(alts), len(alts)), dtype=bool), len(alts), p.co_running) + 1e-6
     assert area <= shortest * (1 + 1e-9)
+    slots = slot_area_us(alts, slot_rates(alts, streams, p.co_running))  # another, over streams' worth of ops
+    assert area - 1e-6 <= slots <= co_running_lp_us(alts, np.ones((len(alts), len(alts)), dtype=bool), streams,
+                                                    p.co_running) + 1e-6
+    assert slots <= shortest * (1 + 1e-9)
 
 
 def test_the_area_bound_is_exact_for_a_pair_and_holds_past_the_lp():
@@ -244,3 +248,16 @@ def test_the_area_bound_is_exact_for_a_pair_and_holds_past_the_lp():
     bounds = lower_bounds_us(many, 4)
     assert bounds["sm_work"] == pytest.approx(150.0)
     assert bounds["co_running"] == pytest.approx(60 * 10 * 0.25 * 1.75)
+
+
+def test_past_the_lp_narrow_ops_hold_the_streams():
+    """60 ops on a tenth of the SMs each, 4 streams, k 1: four at once fill 40% of the SMs and each runs 13 us, so
+    15 such rounds (195 us) is the least. The area bound (114 us) pretends ten run at once; the stream-slot bound
+    finds 195 where the LP has too many configurations."""
+    ops = [Op(f"op{i}", "relu", "forward", [Alternative("a", 10.0, 10, 0, 10)]) for i in range(60)]
+    narrow = Problem("narrow", False, ops, [], resident_bytes=0, tick_us=1.0, device=H100, estimated=True,
+                     co_running=1.0)
+    alts = [o.alternatives for o in ops]
+    assert co_running_area_us(alts, 1.0) == pytest.approx(114.0)
+    assert co_running_lp_us(alts, np.ones((60, 60), dtype=bool), 4, 1.0) is None
+    assert lower_bounds_us(narrow, 4)["co_running"] == pytest.approx(195.0)

@@ -40,16 +40,23 @@ def test_one_window_over_a_tiny_dag_finds_the_optimum(seed):
 
 def _assert_valid(p, start, refined, cap, streams):
     assert cost(p, refined) <= cost(p, start)
-    assert refined.decision == start.decision
-    assert peak_memory(p, refined.decision, timed(p, refined))[0] <= cap
-    items = items_of(p, refined)
-    assert all(items[a].end <= items[b].start for a, b in precedences(p, refined, items))
+    plan = assert_plan_valid(p, start, refined, cap, streams)
+    assert plan.totals.makespan_us <= refined.makespan(p) * p.tick_us + 1e-6
+
+
+def assert_plan_valid(p, start, changed, cap, streams):
+    """The changed schedule keeps the start's decisions, its cap and every precedence, and its plan passes the
+    check; returns the plan."""
+    assert changed.decision == start.decision
+    assert peak_memory(p, changed.decision, timed(p, changed))[0] <= cap
+    items = items_of(p, changed)
+    assert all(items[a].end <= items[b].start for a, b in precedences(p, changed, items))
     totals = Totals(makespan_us=0, peak_bytes=0, mem_cap_bytes=cap, lower_bound_us=0, baseline_makespan_us=1,
                     status="refined", gap=0, solve_time_s=0)
-    plan = build_plan(EMPTY, p, refined, totals, streams)
+    plan = build_plan(EMPTY, p, changed, totals, streams)
     report = check_plan(plan)
     assert report.ok, report.violations
-    assert plan.totals.makespan_us <= refined.makespan(p) * p.tick_us + 1e-6
+    return plan
 
 
 @pytest.mark.parametrize("seed", range(10))
