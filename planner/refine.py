@@ -161,8 +161,8 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
     repeat for a given seed and lane count; no round starts after the wall clock passes `deadline`, less the arena
     checks that follow the last (a slower machine's plan then depends on its speed). Kept schedules must also pass
     `fits` (the runner's arena, which may need more than the peak), checked every FIT_EVERY of them (`_verified`),
-    each check charged `fit_s`. Where ops slow each other, each stage ends with a pass of algorithm swaps
-    (planner.swaps), kept if the arena fits."""
+    each check charged `fit_s`. Where ops slow each other, each stage ends with passes of algorithm swaps
+    (planner.swaps) while they gain and the arena fits."""
     t_start, spent = time.monotonic(), 0.0
     best, best_cost = s, predicted_cost(p, s)
     fruitless: set[tuple] = set()

@@ -4,9 +4,9 @@ the plan will predict (streams.predicted_cost) drops and the memory cap holds.
 
 planner.refine's windows price ops alone: where ops slow each other (co_running), a window whose makespan alone
 does not change keeps the algorithms it has, though a wider, faster one beside fewer ops may settle sooner (the
-weight gradient of GoogLeNet's conv2 ran 71.3 us on 15% of the SMs, 31.4 alone). On the H100 the calibrated
-GoogLeNet training b32 plans settled 20.1 us sooner uncapped and 5.6 us at 50% after refine had converged
-(docs/BENCHMARKS.md, seventy-first session).
+weight gradient of GoogLeNet's conv2 ran 71.3 us on 15% of the SMs, 31.4 alone). With these passes ending each of
+refine's stages, 120-s solves of GoogLeNet training b32 on the calibrated H100 profile went from 3217.2 to 3181.4
+us uncapped, from 3410.1 to 3381.3 at 50% (docs/BENCHMARKS.md, seventy-first session).
 """
 
 from __future__ import annotations
