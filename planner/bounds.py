@@ -28,6 +28,9 @@ chains make the others (`clique_window`, `fill_window`). The DAG and the rates a
 
 from __future__ import annotations
 
+from functools import cache
+from typing import Callable
+
 import numpy as np
 
 from planner.chain_fill import LP, add_chain_fill, chain_and_fillers
@@ -65,14 +68,15 @@ def lower_bounds_us(p: Problem, streams: int, cap_bytes: int | None = None, quic
         if quick:
             return bounds
         bounds["chain_fill"] = chain_fill_us(dag, anc, streams, dram)
-        psi = None
+        psi = None  # solved once, where a segment or a cut needs it
         if p.co_running > 0 and streams > 1:
-            psi = slot_rates(dag.alts + [t.recompute_alternatives for t in p.tensors if t.can_recompute], streams,
-                             p.co_running)
+            psi = cache(lambda: slot_rates(dag.alts + [t.recompute_alternatives for t in p.tensors if t.can_recompute],
+                                           streams, p.co_running))
             heads, tails, bounds["co_running"] = segment_heads_tails(dag, anc, heads, tails, streams, dram,
                                                                      p.co_running, psi)
         if cap_bytes is not None and any(t.choosable for t in p.tensors):
-            bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, anc, heads, tails, streams, dram, psi)
+            bounds["memory_cut"] = memory_cut_us(p, cap_bytes, dag, anc, heads, tails, streams, dram,
+                                                 psi() if psi else None)
     return bounds
 
 
@@ -193,12 +197,12 @@ def separators(anc: np.ndarray) -> list[int]:
 
 
 def segment_us(dag: Dag, anc: np.ndarray, first: int, end: int, streams: int, dram: bool,
-               co_running: float = 0.0, psi: dict[int, float] | None = None) -> float:
+               co_running: float = 0.0, psi: Callable[[], dict[int, float]] | None = None) -> float:
     """A bound on the time the ops at positions [first, end) take, alone: head_tail and chain_fill of their own
     DAG from 2 up to SEGMENT_OPS ops, the chain and the SM work otherwise (one op: its fastest time); with a
     co-running slowdown on several streams, also what running side by side costs them (`co_running`: the
-    configuration LP; where it has too many configurations, the area bound and the stream-slot one at `psi`, which
-    hold there)."""
+    configuration LP; where it has too many configurations, the area bound and the stream-slot one at `psi()`,
+    which hold there)."""
     sub = Dag([[u - first for u in dag.preds[v] if u >= first] for v in range(first, end)], dag.alts[first:end])
     best = max(_longest_chain_us(sub, sub.fastest_us()), float(sub.least(sm_share).sum()))
     if 1 < end - first <= SEGMENT_OPS:
@@ -206,14 +210,14 @@ def segment_us(dag: Dag, anc: np.ndarray, first: int, end: int, streams: int, dr
     if co_running > 0 and streams > 1 and end - first > 1:
         related = anc[first:end, first:end] | anc[first:end, first:end].T | np.eye(end - first, dtype=bool)
         exact = co_running_us(sub.alts, ~related, streams, co_running)
-        slots = slot_area_us(sub.alts, psi) if exact is None and psi else 0.0
+        slots = slot_area_us(sub.alts, psi()) if exact is None and psi else 0.0
         best = max(best, exact or 0.0, slots, co_running_area_us(sub.alts, co_running))
     return best
 
 
 def segment_heads_tails(dag: Dag, anc: np.ndarray, heads: np.ndarray, tails: np.ndarray, streams: int,
-                        dram: bool = False, co_running: float = 0.0, psi: dict[int, float] | None = None
-                        ) -> tuple[np.ndarray, np.ndarray, float]:
+                        dram: bool = False, co_running: float = 0.0,
+                        psi: Callable[[], dict[int, float]] | None = None) -> tuple[np.ndarray, np.ndarray, float]:
     """(heads, tails, the segments' bounds summed): the segments between `separators` run one after another, so
     an op starts after the bounds of the segments before its own (`segment_us`) add up, and ends before those
     after it. The window bounds of `heads_us` count SM work, not chain_fill's fit (GoogLeNet training b32: the

@@ -58,14 +58,18 @@ def swap_pass(p: Problem, cap_bytes: int, streams: int, s: Schedule, s_cost: flo
     order, each taking the first of its alternatives and `starts` that makes the schedule cheaper, each tried
     charged `try_s`, until the budget is spent."""
     spent, best, best_cost = 0.0, s, s_cost
+    of = None  # the schedule the items and precedences below are of: they change only when a swap is kept
     for kind, index in [(it.kind, it.index) for it in items_of(p, s) if it.compute]:
-        items = items_of(p, best)
-        k = next(j for j, it in enumerate(items) if (it.kind, it.index) == (kind, index))
-        edges = [(a, b) for a, b in precedences(p, best, items) if k in (a, b)]
+        if of is not best:
+            of, items = best, items_of(p, best)
+            edges = precedences(p, best, items)
+            at = {(it.kind, it.index): j for j, it in enumerate(items)}
+        k = at[kind, index]
         ways = range(len(items[k].alternatives))
-        for alt, start in ((a, t) for a in ways for t in starts(items, k, edges, a, streams)):
+        mine = [(a, b) for a, b in edges if k in (a, b)]
+        for alt, start in ((a, t) for a in ways for t in starts(items, k, mine, a, streams)):
             if spent + try_s > budget_s:
-                break
+                return best, best_cost, spent
             spent += try_s
             trial = apply(best, items, Move(t1=max(it.end for it in items) + 1, shift=0, free={k: (start, alt)}))
             if (cost := predicted_cost(p, trial)) < best_cost and peaks_within(p, trial, cap_bytes):
