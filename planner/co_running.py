@@ -153,7 +153,7 @@ def slot_rates(alternatives: list[list[Alternative]], streams: int, k: float) ->
     makes y_i = min_a t_ia psi(s_ia) a dual solution of `lower_bound_us`'s LP, over every op set: a bound where
     the LP has too many configurations. phi of `area_rate` is one (the configuration gains at most 1); this is the
     one that maximises sum y over these alternatives, an LP over the demands they use, its rows generated as
-    the multisets they violate (GoogLeNet training b32: 98 demands, 214k multisets, 11-19 rounds)."""
+    the multisets they violate (GoogLeNet training b32: 98 demands, 214k multisets, 19 rounds)."""
     demands = sorted({a.sm_demand for alts in alternatives for a in alts})
     rows = _multisets(np.array(demands), streams, k)
     ways = [(i, demands.index(a.sm_demand), a.time_us) for i, alts in enumerate(alternatives) for a in alts]
