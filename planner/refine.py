@@ -54,6 +54,10 @@ SETTLE_S_PER_ITEM = 3e-5  # what judging a window's move at its predicted timeli
 # (streams.predicted_cost: 6-14 ms on GoogLeNet training's 401 items as the machine swings), charged a window taken
 SWAP_S_PER_TRY = 0.025  # an algorithm and start tried by `swaps.swap_pass` (placed, its timeline settled, its
 # memory checked: 18-27 ms on GoogLeNet training b32, 290-460 tries a pass)
+RUNNER_UPS = 3  # where ops slow each other, a window's earlier CP-SAT solutions judged beside its last: one longer
+# at times alone may settle sooner (GoogLeNet training b32 at 50% on the H100, 120-s solves at seeds 0-2: 3387.9,
+# 3375.3 and 3376.4 us against 3381.3, 3400.0 and 3396.1; refined from one older start at seeds 0 and 1, 3403.2 ->
+# 3394.3 and 3407.5 -> 3394.3)
 LANES = 2  # windows solved at once, on threads (CP-SAT releases the GIL): that machine's cores
 LOOKAHEAD = 16  # windows solved ahead of the one whose result is taken next, at most
 FIT_EVERY = 8  # kept schedules between checks of the runner's arena (each ~0.07 s on training graphs)
@@ -83,9 +87,14 @@ def _judged(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[
 
 def _better(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[Item], move: Move | None
             ) -> tuple[Schedule, float] | None:
-    """The schedule with the move made and its cost, if that is cheaper and fits the cap."""
-    judged = _judged(p, cap_bytes, s, s_cost, items, move) if move is not None else None
-    return judged[:2] if judged is not None and judged[2] else None
+    """The schedule with the move (or one of its runner-ups) made and its cost: the cheapest that is cheaper than
+    s and fits the cap, if any."""
+    best = None
+    for way in [move, *move.runner_ups] if move is not None else []:
+        judged = _judged(p, cap_bytes, s, best[1] if best else s_cost, items, way)
+        if judged is not None and judged[2]:
+            best = judged[:2]
+    return best
 
 
 def _memory(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[Item]) -> Memory | None:
@@ -104,11 +113,13 @@ def _memory(p: Problem, cap_bytes: int, s: Schedule, s_cost: float, items: list[
 def solve_round(pool: ThreadPoolExecutor, lanes: int, items: list[Item], edges: list[tuple[int, int]],
                 memory: Memory | None, spans: Iterator[Span], streams: int, seed: int, det_s: float,
                 gains: Callable[[Move | None], tuple[Schedule, float] | None], budget_s: float, deadline: float,
-                judge_s: float = 0.0) -> tuple[list[Span], tuple[Span, tuple[Schedule, float]] | None, float]:
+                judge_s: float = 0.0, runner_ups: int = 0
+                ) -> tuple[list[Span], tuple[Span, tuple[Schedule, float]] | None, float]:
     """Solves the spans in order on `lanes` threads, each lane taking the next span as soon as it is free, and
     takes their results in order up to the first that gains, or until `budget_s` is spent or the wall clock
     passes `deadline`: (the windows taken without gain, the gaining window and its schedule and cost or None, the
-    seconds spent, with `judge_s` a window taken for judging its move). Windows solved past the first gain are
+    seconds spent, with `judge_s` for each move judged: a window's, and up to `runner_ups` of the solutions its
+    CP-SAT found before it, where ops slow each other). Windows solved past the first gain are
     stopped and discarded, so the windows taken are those one lane would take. The seconds are those of the
     windows taken, laid out in order on the lanes as the threads take them: they depend on CP-SAT's
     deterministic time, not on which thread finished first."""
@@ -119,7 +130,7 @@ def solve_round(pool: ThreadPoolExecutor, lanes: int, items: list[Item], edges: 
         running = sum(not future.done() for _, future in flight)
         while running < lanes and len(flight) < LOOKAHEAD and (span := next(spans, None)) is not None:
             flight.append((span, pool.submit(solve_window, items, edges, span[1], span[2], streams, seed, det_s,
-                                             stop, memory)))
+                                             stop, memory, runner_ups)))
             running += 1
 
     fill()
@@ -131,7 +142,8 @@ def solve_round(pool: ThreadPoolExecutor, lanes: int, items: list[Item], edges: 
         flight.popleft()
         move, used = future.result()
         lane = lane_free.index(min(lane_free))
-        lane_free[lane] += used * WALL_PER_DET + WINDOW_OVERHEAD_S + judge_s
+        judged = 1 + len(move.runner_ups) if move is not None else 1
+        lane_free[lane] += used * WALL_PER_DET + WINDOW_OVERHEAD_S + judge_s * judged
         trial = gains(move)
         if trial is not None:
             gain = span, trial
@@ -210,7 +222,7 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
                 failed, gain, used = solve_round(
                     pool, lanes, items, edges, memory, sweep(p, best, items, width, k, fruitless), streams, seed,
                     det_s, lambda move: _better(p, cap_bytes, best, best_cost, items, move),
-                    budget_s - spent, last_round_by(), judge_s)
+                    budget_s - spent, last_round_by(), judge_s, RUNNER_UPS if p.co_running > 0 else 0)
                 spent += used
                 fruitless.update(seen for _, _, _, seen in failed)
                 if gain is None:  # the pass or the budget is over

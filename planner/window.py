@@ -164,11 +164,13 @@ def set_window_objective(w: Window, items: list[Item]) -> None:
 @dataclass
 class Move:
     """What solving one window changes: its free items' starts and alternatives, and every item starting at or
-    after t1 moves earlier by `shift`."""
+    after t1 moves earlier by `shift`. `runner_ups`: solutions CP-SAT found before this one, latest first, each
+    longer at times alone but perhaps cheaper settled (planner.refine judges them too)."""
 
     t1: int
     shift: int
     free: dict[int, tuple[int, int]]  # item -> (start, alternative)
+    runner_ups: list[Move] = field(default_factory=list)
 
 
 class Stop:
@@ -191,22 +193,39 @@ class Stop:
 
 
 def solve_window(items: list[Item], edges: list[tuple[int, int]], t0: int, t1: int, streams: int, seed: int,
-                 det_s: float, stop: Stop | None = None, memory: Memory | None = None
+                 det_s: float, stop: Stop | None = None, memory: Memory | None = None, runner_ups: int = 0
                  ) -> tuple[Move | None, float]:
     """(the window's solution, or None; CP-SAT's deterministic time spent, at most `det_s` a solve). One worker: a
     window is small, and one worker's search is deterministic without interleaving. When the move found gains but
     overflows the cap, the window is solved again with `memory` in its model (window_memory): that solves slower
     (GoogLeNet training b32 at 50%, the window over the last 900 us: 0.23 deterministic s against 0.006), and most
-    moves fit."""
-    move, spent = _solve_window(items, edges, t0, t1, streams, seed, stop, None, det_s)
+    moves fit. The move carries up to `runner_ups` of the solutions CP-SAT found before its last (`Move`)."""
+    move, spent = _solve_window(items, edges, t0, t1, streams, seed, stop, None, det_s, runner_ups)
     if move is not None and memory is not None and memory.overflows(move):
-        move, more = _solve_window(items, edges, t0, t1, streams, seed, stop, memory, det_s)
+        move, more = _solve_window(items, edges, t0, t1, streams, seed, stop, memory, det_s, runner_ups)
         spent += more
     return move, spent
 
 
+class _Solutions(cp_model.CpSolverSolutionCallback):
+    """The moves of the solutions CP-SAT finds, in order (each shorter at times alone than the one before), but
+    those that move nothing (the hint)."""
+
+    def __init__(self, w: Window, items: list[Item]):
+        super().__init__()
+        self.w, self.items, self.moves = w, items, []
+
+    def on_solution_callback(self) -> None:
+        free = {k: (self.value(self.w.start[k]), next(a for a, lit in enumerate(lits) if self.boolean_value(lit)))
+                for k, lits in self.w.present.items()}
+        shift = self.value(self.w.shift)
+        if shift or any(free[k] != (self.items[k].start, self.items[k].chosen) for k in free):
+            self.moves.append(Move(self.w.t1, shift, free))
+
+
 def _solve_window(items: list[Item], edges: list[tuple[int, int]], t0: int, t1: int, streams: int, seed: int,
-                  stop: Stop | None, memory: Memory | None, det_s: float) -> tuple[Move | None, float]:
+                  stop: Stop | None, memory: Memory | None, det_s: float, runner_ups: int = 0
+                  ) -> tuple[Move | None, float]:
     w = new_window(items, edges, t0, t1)
     if w is None:
         return None, 0.0
@@ -224,13 +243,15 @@ def _solve_window(items: list[Item], edges: list[tuple[int, int]], t0: int, t1: 
     prm.cp_model_probing_level = 0
     if stop is not None and not stop.watch(solver):
         return None, 0.0
-    status = solver.solve(w.model)
+    found = _Solutions(w, items)
+    status = solver.solve(w.model, found)
     spent = solver.response_proto.deterministic_time
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, spent
     free = {k: (solver.value(w.start[k]), next(a for a, lit in enumerate(lits) if solver.boolean_value(lit)))
             for k, lits in w.present.items()}
-    return Move(t1, solver.value(w.shift), free), spent
+    earlier = found.moves[:-1] if found.moves and found.moves[-1].free == free else found.moves
+    return Move(t1, solver.value(w.shift), free, earlier[::-1][:runner_ups]), spent
 
 
 def apply(s: Schedule, items: list[Item], move: Move) -> Schedule:

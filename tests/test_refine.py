@@ -235,3 +235,25 @@ def test_a_window_whose_best_move_overflows_finds_one_that_fits_with_memory_mode
         aware, _ = solve_window(items, edges, t0, t1, streams, 0, WINDOW_DET_S, memory=memory)
         rescued += aware is not None and cost(p, apply(s, items, aware)) < cost(p, s)
     assert rescued >= 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_windows_runner_ups_are_its_earlier_solutions_each_a_valid_move(seed):
+    """The solutions CP-SAT found before its last: each gives a plan that passes the check, and refine's judge
+    takes the cheapest settled of them all that gains and fits."""
+    p, cap, streams, s = _capped(seed)
+    p.co_running = 1.0
+    edges, s_cost, seen = precedences(p, s, items_of(p, s)), predicted_cost(p, s), 0
+    for items, t0, t1 in _windows(p, s, 10):
+        move, _ = solve_window(items, edges, t0, t1, streams, 0, WINDOW_DET_S, runner_ups=3)
+        if move is None:
+            continue
+        assert len(move.runner_ups) <= 3
+        for way in move.runner_ups:
+            seen += 1
+            assert_plan_valid(p, s, apply(s, items, way), 1 << 40, streams)  # windows without memory: no cap
+        judged = [refine_module._judged(p, cap, s, s_cost, items, way) for way in [move, *move.runner_ups]]
+        cheapest = min((j[1] for j in judged if j is not None and j[2]), default=None)
+        taken = refine_module._better(p, cap, s, s_cost, items, move)
+        assert (taken and taken[1]) == cheapest
+    assert seen
