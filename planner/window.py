@@ -243,8 +243,8 @@ def _solve_window(items: list[Item], edges: list[tuple[int, int]], t0: int, t1: 
     prm.cp_model_probing_level = 0
     if stop is not None and not stop.watch(solver):
         return None, 0.0
-    found = _Solutions(w, items)
-    status = solver.solve(w.model, found)
+    found = _Solutions(w, items)  # a callback only where runner-ups are wanted: it takes the GIL each solution
+    status = solver.solve(w.model, found if runner_ups else None)
     spent = solver.response_proto.deterministic_time
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, spent
