@@ -216,11 +216,16 @@ class _Solutions(cp_model.CpSolverSolutionCallback):
         self.w, self.items, self.moves = w, items, []
 
     def on_solution_callback(self) -> None:
-        free = {k: (self.value(self.w.start[k]), next(a for a, lit in enumerate(lits) if self.boolean_value(lit)))
-                for k, lits in self.w.present.items()}
-        shift = self.value(self.w.shift)
-        if shift or any(free[k] != (self.items[k].start, self.items[k].chosen) for k in free):
-            self.moves.append(Move(self.w.t1, shift, free))
+        move = _move(self.w, self)
+        if move.shift or any(at != (self.items[k].start, self.items[k].chosen) for k, at in move.free.items()):
+            self.moves.append(move)
+
+
+def _move(w: Window, solution: cp_model.CpSolver | cp_model.CpSolverSolutionCallback) -> Move:
+    """The move a solution of the window's model makes."""
+    free = {k: (solution.value(w.start[k]), next(a for a, lit in enumerate(lits) if solution.boolean_value(lit)))
+            for k, lits in w.present.items()}
+    return Move(w.t1, solution.value(w.shift), free)
 
 
 def _solve_window(items: list[Item], edges: list[tuple[int, int]], t0: int, t1: int, streams: int, seed: int,
@@ -248,10 +253,10 @@ def _solve_window(items: list[Item], edges: list[tuple[int, int]], t0: int, t1: 
     spent = solver.response_proto.deterministic_time
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, spent
-    free = {k: (solver.value(w.start[k]), next(a for a, lit in enumerate(lits) if solver.boolean_value(lit)))
-            for k, lits in w.present.items()}
-    earlier = found.moves[:-1] if found.moves and found.moves[-1].free == free else found.moves
-    return Move(t1, solver.value(w.shift), free, earlier[::-1][:runner_ups]), spent
+    move = _move(w, solver)
+    earlier = found.moves[:-1] if found.moves and found.moves[-1].free == move.free else found.moves
+    move.runner_ups = earlier[::-1][:runner_ups]
+    return move, spent
 
 
 def apply(s: Schedule, items: list[Item], move: Move) -> Schedule:
