@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 
 from planner.problem import Problem
 from planner.schedule import Schedule, peaks_within
+from planner.stretches import polish
 from planner.streams import predicted_cost
 from planner.swaps import swap_pass
 from planner.window import Item, Memory, Move, Stop, apply, items_of, precedences, signature, solve_window
@@ -173,8 +174,9 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
     repeat for a given seed and lane count; no round starts after the wall clock passes `deadline`, less the arena
     checks that follow the last (a slower machine's plan then depends on its speed). Kept schedules must also pass
     `fits` (the runner's arena, which may need more than the peak), checked every FIT_EVERY of them (`_verified`),
-    each check charged `fit_s`. Where ops slow each other, each stage ends with passes of algorithm swaps
-    (planner.swaps) while they gain and the arena fits."""
+    each check charged `fit_s`. Where ops slow each other, the stretches of the timeline are searched alone
+    (planner.stretches) on the start schedule and at each stage's end, and each stage ends with passes of algorithm
+    swaps (planner.swaps) while they gain and the arena fits."""
     t_start, spent = time.monotonic(), 0.0
     best, best_cost = s, predicted_cost(p, s)
     fruitless: set[tuple] = set()
@@ -211,6 +213,20 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
         s each, and the solve ended 2.9 s past its deadline)."""
         return deadline - fit_wall * FIT_EVERY.bit_length()
 
+    searched: dict[tuple, tuple] = {}
+
+    def polished() -> None:
+        """The stretches searched alone (planner.stretches), those refine has changed since."""
+        nonlocal best, best_cost, verified, spent
+        trial, trial_cost, used = polish(p, cap_bytes, streams, best, best_cost, budget_s - spent, seed, searched,
+                                         last_round_by())
+        spent += used
+        if trial is not best and (fits is None or fitting(trial)):
+            best, best_cost, verified = trial, trial_cost, trial
+
+    if p.co_running > 0:
+        polished()
+        cycle_cost = best_cost
     with ThreadPoolExecutor(lanes) as pool:
         while level < len(stages) and spent < budget_s and time.monotonic() < last_round_by():
             sizes, det_s = stages[level]
@@ -244,6 +260,7 @@ def refine(p: Problem, cap_bytes: int, streams: int, s: Schedule, budget_s: floa
                         best = verified = _verified(verified, unverified, fitting, fruitless)
                         best_cost = predicted_cost(p, best)
                     if p.co_running > 0:
+                        polished()
                         swapped()
                     level += 1
                     fruitless.clear()
