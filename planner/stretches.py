@@ -7,7 +7,7 @@ others: the stretch's settled span depends on its own schedule alone, and where 
 co_running) it can be searched on its own and judged exactly, hundreds of times cheaper than the whole plan.
 Separators of the DAG make such instants (GoogLeNet's inception blocks in the forward pass), and so does the
 schedule in the backward pass. refine's windows search at times alone and judge settled; they left GoogLeNet
-training's forward inception blocks 0.9-6.3 us each over what this search finds (docs/BENCHMARKS.md,
+training's forward inception blocks 0.9-7.1 us each over what this search finds (docs/BENCHMARKS.md,
 seventy-third session).
 
 The search anneals each item's algorithm and a priority order. A serial list schedule at times alone places the
