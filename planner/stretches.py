@@ -26,9 +26,11 @@ import time
 import numpy as np
 
 from planner.co_running import settle
-from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
+from planner.problem import SM_CAPACITY, Alternative, Problem
 from planner.schedule import Schedule, peaks_within
-from planner.streams import predicted_cost
+from planner.streams import Item as PlanItem
+from planner.streams import maximal_predecessors, predicted_cost, replayer
+from planner.swaps import fits_at
 from planner.window import Item, Move, apply, items_of, precedences
 
 MAX_ITEMS = 16  # consecutive stretches are searched together up to this many items (an inception block: 13)
@@ -60,22 +62,17 @@ def stretches(items: list[Item]) -> list[list[int]]:
 
 def place(ways: list[Alternative], preds: list[list[int]], priority: list[int], streams: int) -> list[int]:
     """Starts in ticks from 0: items in priority order among those whose preds are placed, each at the earliest
-    start after its preds where it fits beside those placed (SM share, DRAM share, streams)."""
+    start after its preds where it fits beside those placed (`swaps.fits_at`: SM share, DRAM share, streams)."""
     n = len(ways)
-    start, end, placed = [0] * n, [0] * n, []
-    done = [False] * n
+    start, end, done, placed = [0] * n, [0] * n, [False] * n, []
     while len(placed) < n:
         v = min((v for v in range(n) if not done[v] and all(done[u] for u in preds[v])), key=priority.__getitem__)
         way = ways[v]
         earliest = max((end[u] for u in preds[v]), default=0)
-        for t0 in sorted({earliest} | {end[u] for u in placed if end[u] > earliest}):
-            t1 = t0 + way.duration
-            beside = [u for u in placed if start[u] < t1 and end[u] > t0]
-            if all(_fits([ways[u] for u in beside if start[u] <= t < end[u]], way, streams)
-                   for t in {t0} | {start[u] for u in beside if start[u] > t0}):
-                break
-        start[v], end[v], done[v] = t0, t1, True
-        placed.append(v)
+        start[v] = next(t for t in sorted({earliest} | {e for _, e, _ in placed if e > earliest})
+                        if fits_at(placed, t, way, streams))
+        end[v], done[v] = start[v] + way.duration, True
+        placed.append((start[v], end[v], way))
     return start
 
 
@@ -87,31 +84,13 @@ def _chain(preds: list[list[int]]) -> bool:
     return all(len(b) == v for v, b in enumerate(below))
 
 
-def _fits(running: list[Alternative], way: Alternative, streams: int) -> bool:
-    return (len(running) < streams and sum(a.sm_demand for a in running) + way.sm_demand <= SM_CAPACITY
-            and sum(a.dram_demand for a in running) + way.dram_demand <= DRAM_CAPACITY)
-
-
 def settled_span_us(ways: list[Alternative], start: list[int], k: float) -> float:
     """The span of items started at these ticks, replayed as the plan runs them (each after every item that ends
-    by its start) and settled under co-running slowdown k."""
-    end = [s + w.duration for s, w in zip(start, ways)]
-    order = sorted(range(len(ways)), key=lambda v: (start[v], end[v]))
-    follows = []  # per item, the last of those ending by its start: the others end before one of these starts
-    for v in range(len(ways)):
-        before = [u for u in order if end[u] <= start[v]]
-        latest = max((start[u] for u in before), default=-1)
-        follows.append([u for u in before if end[u] > latest])
-
-    def replay(duration_us: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        st, en = [0.0] * len(ways), [0.0] * len(ways)
-        for v in order:
-            st[v] = max((en[u] for u in follows[v]), default=0.0)
-            en[v] = st[v] + duration_us[v]
-        return np.array(st), np.array(en)
-
+    by its start: streams.maximal_predecessors and streams.replayer, each item on a stream of its own) and settled
+    under co-running slowdown k."""
+    items = [PlanItem("op", v, s, s + w.duration, w.time_us, stream=v) for v, (s, w) in enumerate(zip(start, ways))]
     share = np.array([w.sm_demand / SM_CAPACITY for w in ways])
-    st, en, _ = settle(np.array([w.time_us for w in ways]), share, k, replay)
+    st, en, _ = settle(np.array([w.time_us for w in ways]), share, k, replayer(items, maximal_predecessors(items)))
     return float(en.max() - st.min())
 
 
@@ -163,10 +142,10 @@ def polish(p: Problem, cap_bytes: int, streams: int, s: Schedule, s_cost: float,
     spent = 0.0
     if p.co_running <= 0 or streams < 2:
         return s, s_cost, spent
-    items = items_of(p, s)
+    of, (items, edges, at) = s, _timeline(p, s)
     for members in [[(items[k].kind, items[k].index) for k in run] for run in stretches(items)]:
-        items = items_of(p, s)
-        at = {(it.kind, it.index): k for k, it in enumerate(items)}
+        if of is not s:  # a stretch was kept: the items after it moved
+            of, (items, edges, at) = s, _timeline(p, s)
         mine = [at[m] for m in members]
         t0, t1 = items[mine[0]].start, max(items[k].end for k in mine)
         placed = tuple((items[k].chosen, items[k].start - t0) for k in mine)
@@ -178,7 +157,7 @@ def polish(p: Problem, cap_bytes: int, streams: int, s: Schedule, s_cost: float,
         searched[tuple(members)] = placed
         position = {k: v for v, k in enumerate(mine)}
         preds: list[list[int]] = [[] for _ in mine]
-        for a, b in precedences(p, s, items):
+        for a, b in edges:
             if a in position and b in position:
                 preds[position[b]].append(position[a])
         if _chain(preds):
@@ -197,3 +176,9 @@ def polish(p: Problem, cap_bytes: int, streams: int, s: Schedule, s_cost: float,
             s, s_cost = trial, cost
             searched[tuple(members)] = tuple(zip(alt, start))
     return s, s_cost, spent
+
+
+def _timeline(p: Problem, s: Schedule) -> tuple[list[Item], list[tuple[int, int]], dict[tuple[str, int], int]]:
+    """The schedule's items in start order, their precedences, and each item's position by (kind, index)."""
+    items = items_of(p, s)
+    return items, precedences(p, s, items), {(it.kind, it.index): k for k, it in enumerate(items)}

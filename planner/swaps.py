@@ -11,7 +11,7 @@ us uncapped, from 3410.1 to 3381.3 at 50% (docs/BENCHMARKS.md, seventy-first ses
 
 from __future__ import annotations
 
-from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Problem
+from planner.problem import DRAM_CAPACITY, SM_CAPACITY, Alternative, Problem
 from planner.schedule import Schedule, peaks_within
 from planner.streams import predicted_cost
 from planner.window import Item, Move, apply, items_of, precedences
@@ -21,15 +21,16 @@ STARTS = 4  # starts tried per alternative: the earliest that fit, so that an op
 # us in four passes, against 3393.5 at 12)
 
 
-def fits_at(others: list[Item], start: int, duration: int, sm_demand: int, dram_demand: int, streams: int) -> bool:
-    """Whether an item of these demands may run over [start, start + duration) beside the other compute items:
-    at each instant there their SM shares (and DRAM shares) stay within capacity, and at most `streams` run."""
-    end = start + duration
-    beside = [it for it in others if it.start < end and it.end > start]
-    for t in sorted({start} | {it.start for it in beside if it.start > start}):
-        running = [it.alternatives[it.chosen] for it in beside if it.start <= t < it.end]
-        if (len(running) >= streams or sum(a.sm_demand for a in running) + sm_demand > SM_CAPACITY
-                or sum(a.dram_demand for a in running) + dram_demand > DRAM_CAPACITY):
+def fits_at(others: list[tuple[int, int, Alternative]], start: int, way: Alternative, streams: int) -> bool:
+    """Whether `way` may run over [start, start + its duration) beside the other compute items (start, end, what
+    each runs as): at each instant there their SM shares (and DRAM shares) stay within capacity, and at most
+    `streams` run."""
+    end = start + way.duration
+    beside = [(b, e, a) for b, e, a in others if b < end and e > start]
+    for t in {start} | {b for b, _, _ in beside if b > start}:  # any order: one instant over is enough
+        running = [a for b, e, a in beside if b <= t < e]
+        if (len(running) >= streams or sum(a.sm_demand for a in running) + way.sm_demand > SM_CAPACITY
+                or sum(a.dram_demand for a in running) + way.dram_demand > DRAM_CAPACITY):
             return False
     return True
 
@@ -41,13 +42,13 @@ def starts(items: list[Item], k: int, edges: list[tuple[int, int]], alt: int, st
     way = items[k].alternatives[alt]
     earliest = max([items[a].end for a, b in edges if b == k], default=0)
     latest = min([items[b].start for a, b in edges if a == k], default=float("inf")) - way.duration
-    others = [it for j, it in enumerate(items) if j != k and it.compute]
+    others = [(it.start, it.end, it.alternatives[it.chosen]) for j, it in enumerate(items) if j != k and it.compute]
     found = []
-    for start in sorted({earliest} | {it.end for it in others if earliest < it.end <= latest}):
+    for start in sorted({earliest} | {e for _, e, _ in others if earliest < e <= latest}):
         if len(found) == STARTS:
             break
         if (start <= latest and (alt, start) != (items[k].chosen, items[k].start)
-                and fits_at(others, start, way.duration, way.sm_demand, way.dram_demand, streams)):
+                and fits_at(others, start, way, streams)):
             found.append(start)
     return found
 
